@@ -1,0 +1,315 @@
+"""The typed configuration: every key, its type and its default, in one place.
+
+A run is described by a YAML file plus dotted overrides on the command line
+(`train.lr=3e-4 data.seq_len=256`). `load_config` merges them, checks every key and
+value against the dataclasses below and returns a `Config`. Any mistake raises a
+UserError whose message names the key (or file) and what was expected.
+"""
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+
+from hvdtrain.errors import UserError
+
+
+@dataclass
+class ModelConfig:
+    arch: Literal["gpt2", "bert"] = "gpt2"
+    pretrained: Optional[str] = None  # local folder or hub name to continue pretraining from
+    n_layer: int = 2
+    n_head: int = 2
+    d_model: int = 64
+    d_ff: Optional[int] = None  # default 4 * d_model
+    max_position: Optional[int] = None  # default: data.seq_len
+    dropout: float = 0.1
+    compile: bool = False  # torch.compile per transformer block (keeps allreduce overlapped with backward)
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class DataConfig:
+    # "builtin" (offline English prose shipped with Python), "synthetic" (random tokens),
+    # a local file / directory / glob (.txt .jsonl .json .csv .parquet), or a hub dataset name.
+    source: str = "builtin"
+    hub_config: Optional[str] = None  # e.g. wikitext-103-raw-v1
+    split: str = "train"
+    validation_split: Optional[str] = None  # the dataset's own split; otherwise a held-out fraction
+    validation_fraction: float = 0.02
+    streaming: bool = False
+    text_column: str = "text"
+    tokenizer: str = "train"  # "train", or a local path / hub name of a pretrained tokenizer
+    vocab_size: int = 4096  # for a trained tokenizer (and synthetic data)
+    seq_len: int = 128
+    mlm_probability: float = 0.15
+    synthetic_samples: int = 2048
+    num_workers: int = 1  # DataLoader worker processes per rank
+    num_proc: int = 1  # processes for tokenization
+    cache_dir: Optional[str] = None  # default ~/.cache/hvdtrain
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 8
+    grad_accum: int = 1
+    # When set, grad_accum is derived: global = micro_batch_size * grad_accum * world_size.
+    global_batch_size: Optional[int] = None
+    max_steps: int = 100
+    optimizer: Literal["adamw", "lamb"] = "adamw"
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # the schedule's floor as a fraction of the peak lr
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    warmup_steps: int = 10
+    schedule: Literal["constant", "linear", "cosine"] = "cosine"
+    seed: int = 1234
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping off
+    # Testing aid: seconds of extra sleep per micro-batch on the ranks listed in slow_ranks.
+    slow_ranks: list[int] = field(default_factory=list)
+    slow_seconds: float = 0.0
+
+
+@dataclass
+class HorovodConfig:
+    compression: Literal["none", "fp16"] = "none"
+    op: Literal["average", "adasum", "sum"] = "average"
+    gradient_predivide_factor: float = 1.0
+    fusion_threshold_mb: Optional[float] = None  # HOROVOD_FUSION_THRESHOLD
+    cycle_time_ms: Optional[float] = None  # HOROVOD_CYCLE_TIME
+    timeline: Optional[str] = None  # HOROVOD_TIMELINE file (relative paths: inside out_dir)
+    autotune: bool = False  # HOROVOD_AUTOTUNE
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints; 0: only at the end
+    keep: int = 2  # how many of the newest checkpoints to keep
+    resume: bool = True  # resume from the newest checkpoint in out_dir when there is one
+
+
+@dataclass
+class LogConfig:
+    every: int = 10
+    progress: bool = True  # progress bar on rank 0
+    tensorboard: bool = True
+    step_breakdown: bool = True  # data / compute / allreduce / optimizer timings per rank
+    imbalance_threshold: float = 0.2  # warn when (slowest - fastest) / fastest compute passes this
+    peak_tflops: Optional[float] = None  # MFU denominator; default from the GPU name
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0  # steps between evaluations; 0: only at the end
+    batches: int = 4  # micro batches per rank per evaluation
+
+
+@dataclass
+class ProfileConfig:
+    enabled: bool = False
+    ranks: list[int] = field(default_factory=lambda: [0])
+    wait: int = 1
+    warmup: int = 1
+    active: int = 3
+    memory: bool = False
+    timeline: bool = True  # Horovod timeline for the same run
+
+
+@dataclass
+class Config:
+    out_dir: str = "runs/default"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    horovod: HorovodConfig = field(default_factory=HorovodConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------- loading and checking
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+            type(None): "null"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _convert(value, tp, key: str):
+    """Check `value` against the type hint `tp`; return it converted (ints to floats)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _convert(value, arg, key)
+            except UserError:
+                pass
+    elif origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+    elif origin is list:
+        if isinstance(value, list):
+            return [_convert(v, typing.get_args(tp)[0], key) for v in value]
+    elif tp is type(None):
+        if value is None:
+            return None
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif dataclasses.is_dataclass(tp):
+        if isinstance(value, dict):
+            return _build(tp, value, key + ".")
+    raise UserError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
+
+
+def _build(cls, values: dict, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in names:
+            raise UserError(f"unknown config key '{prefix}{key}' (known: {', '.join(sorted(names))})")
+    kwargs = {k: _convert(v, hints[k], prefix + k) for k, v in values.items()}
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[list[str], object]:
+    """'train.lr=3e-4' -> (['train', 'lr'], 0.0003). Values are read as YAML scalars."""
+    if "=" not in text:
+        raise UserError(f"override '{text}': expected key.sub=value")
+    key, raw = text.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise UserError(f"override '{text}': expected key.sub=value")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def merge_override(tree: dict, path: list[str], value):
+    node = tree
+    for i, part in enumerate(path[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise UserError(f"override '{'.'.join(path)}': '{'.'.join(path[:i + 1])}' is not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def read_yaml(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file '{path}' does not exist")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise UserError(f"config file '{path}'{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"config file '{path}': expected a mapping of keys at the top level")
+    return data
+
+
+def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
+    tree = read_yaml(path) if path else {}
+    for text in overrides:
+        merge_override(tree, *parse_override(text))
+    cfg = _build(Config, tree)
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(tree: dict) -> Config:
+    """Rebuild a Config saved in a checkpoint or run folder."""
+    cfg = _build(Config, tree)
+    validate(cfg)
+    return cfg
+
+
+def _require(ok: bool, key: str, expected: str, value):
+    if not ok:
+        raise UserError(f"config key '{key}': expected {expected}, got {value!r}")
+
+
+def validate(cfg: Config):
+    """Value checks that types alone cannot express. Checks that need the data or the world
+    size (e.g. global batch larger than the dataset) happen where those are known."""
+    t, d, m = cfg.train, cfg.data, cfg.model
+    _require(t.micro_batch_size >= 1, "train.micro_batch_size", "an integer >= 1", t.micro_batch_size)
+    _require(t.grad_accum >= 1, "train.grad_accum", "an integer >= 1", t.grad_accum)
+    _require(t.global_batch_size is None or t.global_batch_size >= 1, "train.global_batch_size",
+             "an integer >= 1 or null", t.global_batch_size)
+    _require(t.max_steps >= 1, "train.max_steps", "an integer >= 1", t.max_steps)
+    _require(t.lr > 0, "train.lr", "a number > 0", t.lr)
+    _require(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", "a number in [0, 1]", t.min_lr_ratio)
+    _require(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", "two numbers in [0, 1)", t.betas)
+    _require(t.warmup_steps >= 0, "train.warmup_steps", "an integer >= 0", t.warmup_steps)
+    _require(t.grad_clip >= 0, "train.grad_clip", "a number >= 0", t.grad_clip)
+    _require(t.weight_decay >= 0, "train.weight_decay", "a number >= 0", t.weight_decay)
+    _require(d.seq_len >= 8, "data.seq_len", "an integer >= 8", d.seq_len)
+    _require(0 < d.validation_fraction < 1, "data.validation_fraction", "a number in (0, 1)", d.validation_fraction)
+    _require(0 < d.mlm_probability < 1, "data.mlm_probability", "a number in (0, 1)", d.mlm_probability)
+    _require(d.vocab_size >= 64, "data.vocab_size", "an integer >= 64", d.vocab_size)
+    _require(d.num_workers >= 0, "data.num_workers", "an integer >= 0", d.num_workers)
+    _require(d.num_proc >= 1, "data.num_proc", "an integer >= 1", d.num_proc)
+    _require(d.synthetic_samples >= 1, "data.synthetic_samples", "an integer >= 1", d.synthetic_samples)
+    _require(m.n_layer >= 1, "model.n_layer", "an integer >= 1", m.n_layer)
+    _require(m.n_head >= 1 and m.d_model % m.n_head == 0, "model.n_head",
+             f"a divisor of model.d_model ({m.d_model})", m.n_head)
+    _require(0 <= m.dropout < 1, "model.dropout", "a number in [0, 1)", m.dropout)
+    _require(m.max_position is None or m.max_position >= d.seq_len, "model.max_position",
+             f"null or >= data.seq_len ({d.seq_len})", m.max_position)
+    _require(cfg.checkpoint.every >= 0, "checkpoint.every", "an integer >= 0", cfg.checkpoint.every)
+    _require(cfg.checkpoint.keep >= 1, "checkpoint.keep", "an integer >= 1", cfg.checkpoint.keep)
+    _require(cfg.log.every >= 1, "log.every", "an integer >= 1", cfg.log.every)
+    _require(cfg.eval.every >= 0, "eval.every", "an integer >= 0", cfg.eval.every)
+    _require(cfg.eval.batches >= 1, "eval.batches", "an integer >= 1", cfg.eval.batches)
+    _require(cfg.horovod.gradient_predivide_factor > 0, "horovod.gradient_predivide_factor", "a number > 0",
+             cfg.horovod.gradient_predivide_factor)
+    _require(cfg.horovod.op == "average" or cfg.horovod.gradient_predivide_factor == 1.0,
+             "horovod.gradient_predivide_factor", "1.0 unless horovod.op is 'average'",
+             cfg.horovod.gradient_predivide_factor)
+    p = cfg.profile
+    _require(p.wait >= 0 and p.warmup >= 0 and p.active >= 1, "profile.active", "an integer >= 1", p.active)
+
+
+def resolve_batch(cfg: Config, world_size: int) -> tuple[int, int]:
+    """(grad_accum, global_batch) for this world size. With train.global_batch_size set, the
+    global batch stays fixed and accumulation absorbs the change of world size."""
+    t = cfg.train
+    if t.global_batch_size is None:
+        return t.grad_accum, t.micro_batch_size * t.grad_accum * world_size
+    per_step = t.micro_batch_size * world_size
+    if t.global_batch_size % per_step:
+        raise UserError(f"config key 'train.global_batch_size': {t.global_batch_size} is not a multiple of "
+                        f"train.micro_batch_size x workers = {t.micro_batch_size} x {world_size}")
+    return t.global_batch_size // per_step, t.global_batch_size
