@@ -108,7 +108,7 @@ class LogConfig:
 @dataclass
 class EvalConfig:
     every: int = 0  # steps between evaluations; 0: only at the end
-    batches: int = 4  # micro batches per rank per evaluation
+    batches: int = 8  # micro batches per evaluation, split across the ranks
 
 
 @dataclass

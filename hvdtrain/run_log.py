@@ -1,0 +1,56 @@
+"""What rank 0 shows and records about a run: progress bar, metrics.jsonl, TensorBoard.
+
+metrics.jsonl holds one JSON object per logged step (`step`, `loss`, `lr`, `tokens_per_s`,
+`world_size`, the step-time breakdown ...) and one per evaluation (`step`, `eval_loss`, ...).
+"""
+import json
+import math
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+class RunLog:
+    def __init__(self, out_dir: str, start_step: int, max_steps: int, progress: bool, tensorboard: bool):
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self.file = open(self.path, "a")
+        self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                        disable=not progress)
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(Path(out_dir) / "tensorboard"))
+
+    def write(self, record: dict):
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+                    self.tb.add_scalar(key, value, record["step"])
+
+    def train_record(self, record: dict):
+        self.write(record)
+        self.bar.n = record["step"]
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
+                             tok_s=f"{record['tokens_per_s']:.0f}", comm=f"{record.get('comm_fraction', 0):.0%}",
+                             refresh=False)
+        self.bar.refresh()
+        if record.get("imbalance_warning"):
+            self.message(f"warning: rank {record['slowest_rank']} is slow: its data+compute time is "
+                         f"{record['imbalance']:.0%} above the fastest rank's (rank {record['fastest_rank']})")
+
+    def eval_record(self, record: dict):
+        self.write(record)
+        ppl = f", perplexity {record['eval_ppl']:.2f}" if math.isfinite(record["eval_ppl"]) else ""
+        acc = f", accuracy {record['eval_accuracy']:.3f}" if "eval_accuracy" in record else ""
+        self.message(f"step {record['step']}: eval loss {record['eval_loss']:.4f}{ppl}{acc}")
+
+    def message(self, text: str):
+        self.bar.write(text)
+
+    def close(self):
+        self.bar.close()
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()

@@ -1,0 +1,93 @@
+"""Which samples each rank reads at each step.
+
+The data is treated as one endless stream: epoch 0's shuffled order, then epoch 1's, and
+so on (each epoch a fresh permutation from the seed). Optimizer step `s` consumes stream
+positions [s*G, (s+1)*G) where G is the global batch. So:
+
+* the samples of a global batch depend only on the seed, the dataset and G, never on the
+  world size: 1 worker with 4 accumulation steps and 4 workers with 1 see the same data;
+* every sample is used exactly once per epoch, including the tail when G does not divide
+  the dataset size: the last global batch of an epoch simply continues into the next epoch;
+* resuming needs one number, the stream position, and jumps there directly (no replay).
+
+Within a global batch, rank r takes the r-th contiguous slice of micro_batch*accum samples
+and cuts it into `accum` micro batches. Ranks' slices are disjoint; together they cover G.
+"""
+import numpy as np
+import torch
+
+
+class StreamSampler(torch.utils.data.Sampler):
+    """Yields this rank's micro batches as lists of (stream_position, dataset_index) keys.
+
+    Use as `DataLoader(dataset, batch_sampler=StreamSampler(...))`. The position travels with
+    the sample so per-sample randomness (e.g. BERT masking) can be seeded from it, which makes
+    it independent of the world size and exact on resume.
+    """
+
+    def __init__(self, dataset_size: int, micro_batch: int, grad_accum: int, rank: int, world_size: int,
+                 seed: int, start_position: int = 0, max_steps: int | None = None):
+        self.n = dataset_size
+        self.micro_batch = micro_batch
+        self.grad_accum = grad_accum
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.global_batch = micro_batch * grad_accum * world_size
+        if start_position % self.global_batch:
+            # Checkpoints store positions at step boundaries; a different global batch on
+            # resume is allowed as long as the position still falls on a step boundary.
+            raise ValueError(f"start position {start_position} is not a multiple of the global batch {self.global_batch}")
+        self.start_position = start_position
+        self.max_steps = max_steps
+        self._perm_epoch, self._perm = -1, None
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._perm, self._perm_epoch = rng.permutation(self.n), epoch
+        return self._perm
+
+    def keys(self, start: int, count: int) -> list[tuple[int, int]]:
+        """(position, dataset index) for stream positions [start, start+count)."""
+        out = []
+        for pos in range(start, start + count):
+            epoch, offset = divmod(pos, self.n)
+            out.append((pos, int(self.permutation(epoch)[offset])))
+        return out
+
+    def global_batch_keys(self, step: int) -> list[tuple[int, int]]:
+        return self.keys(step * self.global_batch, self.global_batch)
+
+    def rank_slice(self, step: int) -> list[tuple[int, int]]:
+        per_rank = self.micro_batch * self.grad_accum
+        return self.keys(step * self.global_batch + self.rank * per_rank, per_rank)
+
+    def __iter__(self):
+        step = self.start_position // self.global_batch
+        while self.max_steps is None or step < self.max_steps:
+            mine = self.rank_slice(step)
+            for i in range(self.grad_accum):
+                yield mine[i * self.micro_batch:(i + 1) * self.micro_batch]
+            step += 1
+
+    def __len__(self):
+        if self.max_steps is None:
+            raise TypeError("an endless sampler has no length")
+        return max(0, self.max_steps - self.start_position // self.global_batch) * self.grad_accum
+
+
+class EvalSampler(torch.utils.data.Sampler):
+    """The same `batches` micro batches of the validation set at every evaluation, whatever
+    the world size: micro batch b holds samples [b*micro, (b+1)*micro) (wrapping around a
+    small set), and rank r evaluates batches r, r+W, r+2W, ... Results are summed over ranks."""
+
+    def __init__(self, dataset_size: int, micro_batch: int, batches: int, rank: int, world_size: int):
+        self.batches = [[(i, i % dataset_size) for i in range(b * micro_batch, (b + 1) * micro_batch)]
+                        for b in range(rank, batches, world_size)]
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self):
+        return len(self.batches)
