@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 from hvdtrain.errors import UserError
 
@@ -48,6 +49,32 @@ def horovodrun_command(args, worker_args: list[str]) -> list[str]:
     return cmd + args.horovodrun_args + [sys.executable, "-m", "hvdtrain.cli"] + worker_args
 
 
+def relay_worker_stderr(stream) -> tuple[bool, str | None]:
+    """Pass horovodrun's stderr through, except its own noise when a worker fails.
+
+    Worker lines come prefixed with "[rank]<stderr>:". A worker's one-line user error is shown
+    without the prefix; the "Terminated" notes of workers stopped because another one failed,
+    and horovodrun's own Python traceback about that, are dropped. Returns (a worker reported
+    a user error, horovodrun's failure summary or None)."""
+    user_error, failure, in_traceback = False, None, False
+    for line in stream:
+        text = line.split(">:", 1)[1] if line.startswith("[") and ">:" in line else None
+        if text is not None and text.startswith("hvdtrain: error: "):
+            user_error = True
+            sys.stderr.write(text)
+        elif text is not None and text.strip() == "Terminated":
+            continue
+        elif text is None and line.startswith("Traceback (most recent call last):"):
+            in_traceback = True
+        elif in_traceback:
+            if line.startswith(("RuntimeError:", "Process name:", "Exit code:")):
+                failure = " ".join(filter(None, [failure, line.strip()]))
+        else:
+            sys.stderr.write(line)
+        sys.stderr.flush()
+    return user_error, failure
+
+
 def run_launch(args) -> int:
     from hvdtrain.config import load_config
 
@@ -59,7 +86,15 @@ def run_launch(args) -> int:
     if not args.hosts and "OMP_NUM_THREADS" not in env:
         # One host: share its cores between the workers instead of oversubscribing them.
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.np))
-    return subprocess.call(cmd, env=env)
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, bufsize=1)
+    user_error, failure = relay_worker_stderr(proc.stderr)
+    code = proc.wait()
+    if user_error:
+        return 2
+    if code and failure:
+        print(f"hvdtrain: workers failed ({failure.split('The first process')[0].strip()} "
+              f"{failure.split('terminated.')[-1].strip()})", file=sys.stderr)
+    return code
 
 
 def run_profile(args) -> int:
@@ -119,6 +154,8 @@ def main(argv=None) -> int:
     except UserError as e:
         if process_rank() == 0:
             print(f"hvdtrain: error: {e}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(2)  # the same error on every rank: let rank 0 report it before we exit
         return 2
     except KeyboardInterrupt:
         return 130

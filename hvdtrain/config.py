@@ -60,6 +60,9 @@ class TrainConfig:
     # When set, grad_accum is derived: global = micro_batch_size * grad_accum * world_size.
     global_batch_size: Optional[int] = None
     max_steps: int = 100
+    # Stop cleanly (with a checkpoint) after this step, as a preempted job would; rerunning the
+    # same command continues to max_steps. Useful for time-limited cluster allocations.
+    stop_at_step: Optional[int] = None
     optimizer: Literal["adamw", "lamb"] = "adamw"
     lr: float = 3e-4
     min_lr_ratio: float = 0.1  # the schedule's floor as a fraction of the peak lr
@@ -269,6 +272,8 @@ def validate(cfg: Config):
     _require(t.global_batch_size is None or t.global_batch_size >= 1, "train.global_batch_size",
              "an integer >= 1 or null", t.global_batch_size)
     _require(t.max_steps >= 1, "train.max_steps", "an integer >= 1", t.max_steps)
+    _require(t.stop_at_step is None or 1 <= t.stop_at_step <= t.max_steps, "train.stop_at_step",
+             f"null or a step in [1, train.max_steps={t.max_steps}]", t.stop_at_step)
     _require(t.lr > 0, "train.lr", "a number > 0", t.lr)
     _require(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", "a number in [0, 1]", t.min_lr_ratio)
     _require(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", "two numbers in [0, 1)", t.betas)

@@ -90,7 +90,8 @@ def evaluate(model, loader, device, autocast) -> dict:
             "eval_accuracy": correct / max(targets, 1)}
 
 
-def train(cfg: Config):
+def train(cfg: Config) -> torch.nn.Module:
+    """Run (or resume) the training described by `cfg` on this worker; returns the model."""
     # ---- Horovod: init, pin the GPU, seed
     world = distributed.init(cfg)
     device = world.device
@@ -187,8 +188,8 @@ def train(cfg: Config):
                 "scaler": scaler.state_dict(), "rng": rngs, "config": cfg.to_dict(), "world_size": world.size,
             }, keep=cfg.checkpoint.keep)
 
-    step = start_step
-    for step in range(start_step, t.max_steps):
+    last_step = t.stop_at_step or t.max_steps
+    for step in range(start_step, last_step):
         lr = peak_lr * lr_multiplier(step, t)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -233,7 +234,7 @@ def train(cfg: Config):
         done = step + 1
 
         # 4. log, evaluate, checkpoint
-        if done % cfg.log.every == 0 or done == t.max_steps:
+        if done % cfg.log.every == 0 or done == last_step:
             local = torch.stack(step_losses).double().cpu().tolist()
             per_step = [s / n for s, n in zip(distributed.allreduce_sum(local, name="loss"), step_targets)]
             means, step_time = timer.interval()
@@ -246,16 +247,16 @@ def train(cfg: Config):
                     record.update(summarize_ranks(per_rank, cfg.log.imbalance_threshold))
                 log.train_record(record)
             step_losses, step_targets = [], []
-        if (cfg.eval.every and done % cfg.eval.every == 0) or done == t.max_steps:
+        if (cfg.eval.every and done % cfg.eval.every == 0) or done == last_step:
             result = evaluate(model, eval_loader, device, autocast)
             if log is not None:
                 log.eval_record({"step": done, **result})
             timer.reset()  # evaluation time is not training step time
-        if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == t.max_steps:
+        if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == last_step:
             save(done)
             timer.reset()
 
     profiler.close()
     if log is not None:
         log.close()
-    return world
+    return model

@@ -1,0 +1,26 @@
+# Two commands: `make train` and `make test`. Each one sets up what is missing first.
+PYTHON ?= python3
+VENV ?= .venv
+NP ?= 2
+RECIPE ?= recipes/gpt-tiny.yaml
+BIN := $(VENV)/bin
+
+.PHONY: setup train test bench clean
+
+# venv, torch (TORCH_SPEC=... to choose a build), Horovod built for this machine, hvdtrain.
+setup:
+	$(PYTHON) scripts/install.py --venv $(VENV)
+
+# The default recipe on $(NP) local workers, then a sample from the trained model.
+train: setup
+	$(BIN)/hvdtrain launch -np $(NP) $(RECIPE)
+	$(BIN)/hvdtrain generate runs/gpt-tiny/hf "The Python language" --max-new-tokens 40
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+bench: setup
+	$(BIN)/hvdtrain bench overhead
+
+clean:
+	rm -rf runs

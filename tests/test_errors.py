@@ -1,0 +1,75 @@
+"""Bad input: one line naming the key, file or value; exit code 2; no traceback; nothing written."""
+import pytest
+
+from conftest import BIN, hvdtrain, run_cmd
+
+CASES = [
+    # (overrides, words the message must contain)
+    (["train.learning_rate=1"], ["unknown config key 'train.learning_rate'"]),
+    (["colour=blue"], ["unknown config key 'colour'"]),
+    (["train.lr=fast"], ["'train.lr'", "a number"]),
+    (["train.micro_batch_size=2.5"], ["'train.micro_batch_size'", "an integer"]),
+    (["train.precision=fp8"], ["'train.precision'", "'bf16'"]),
+    (["model.n_head=3"], ["'model.n_head'", "divisor"]),
+    (["train.max_steps=0"], ["'train.max_steps'", ">= 1"]),
+    (["train.micro_batch_size=512"], ["global batch (512", "larger than the training set (256 blocks"]),
+    (["train.global_batch_size=6"], ["'train.global_batch_size'", "not a multiple"]),
+    (["data.source=/no/such/corpus.txt"], ["/no/such/corpus.txt"]),
+    (["trainlr"], ["override 'trainlr'", "key.sub=value"]),
+]
+
+
+def assert_one_line_error(proc, words, out_dir):
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("hvdtrain: error: ")
+    for w in words:
+        assert w in lines[0]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not out_dir.exists(), "nothing may be written for a bad input"
+
+
+@pytest.mark.parametrize("overrides,words", CASES, ids=[c[0][0] for c in CASES])
+def test_bad_input_single_worker(tmp_path, tiny_config, overrides, words):
+    config = tiny_config()
+    out = tmp_path / "run"
+    assert_one_line_error(hvdtrain("train", config, f"out_dir={out}", *overrides), words, out)
+
+
+def test_missing_and_broken_config_files(tmp_path):
+    out = tmp_path / "run"
+    assert_one_line_error(hvdtrain("train", tmp_path / "nope.yaml", f"out_dir={out}"), ["nope.yaml", "does not exist"], out)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("train:\n  lr: [1\n")
+    assert_one_line_error(hvdtrain("train", broken, f"out_dir={out}"), ["broken.yaml", "not valid YAML"], out)
+
+
+def test_bad_input_through_launch_is_reported_once(tmp_path, tiny_config):
+    """Config errors are caught before any worker starts."""
+    out = tmp_path / "run"
+    proc = hvdtrain("launch", "-np", "2", tiny_config(), f"out_dir={out}", "train.lr=fast")
+    assert_one_line_error(proc, ["'train.lr'"], out)
+
+
+def test_data_error_in_two_workers_is_reported_once(tmp_path, tiny_config):
+    """A mistake only the workers can see (the data is smaller than one global batch): every
+    rank stops with exit 2, only rank 0 prints."""
+    out = tmp_path / "run"
+    proc = hvdtrain("launch", "-np", "2", tiny_config(), f"out_dir={out}", "train.micro_batch_size=200")
+    assert proc.returncode == 2
+    assert proc.stdout.count("larger than the training set") + proc.stderr.count("larger than the training set") == 1
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not out.exists()
+
+
+def test_existing_checkpoints_survive_an_incompatible_resume(tmp_path, tiny_config):
+    """Resuming into a run folder with another model shape is refused; the checkpoint is untouched."""
+    config = tiny_config({"train": {"max_steps": 2}})
+    out = tmp_path / "run"
+    assert hvdtrain("train", config, f"out_dir={out}").returncode == 0
+    before = {p: p.read_bytes() for p in (out / "checkpoints").rglob("*") if p.is_file()}
+    proc = hvdtrain("train", config, f"out_dir={out}", "model.d_model=64", "train.max_steps=4")
+    assert proc.returncode == 2 and "'model.d_model'" in proc.stderr and "Traceback" not in proc.stderr
+    after = {p: p.read_bytes() for p in (out / "checkpoints").rglob("*") if p.is_file()}
+    assert before == after

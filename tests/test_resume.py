@@ -1,0 +1,69 @@
+"""Resume: the same command continues exactly where training stopped, also with another
+number of workers, and a kill during a checkpoint write leaves the previous one usable."""
+import pytest
+
+from conftest import WORKERS, horovodrun, load_params, step_losses, train_workers
+from hvdtrain import checkpoint
+from test_equivalence import assert_same_losses, assert_same_params
+
+STEPS, HALF = 8, 4
+
+
+def test_stop_and_resume_equals_straight_run(tmp_path, tiny_config):
+    config = tiny_config({"train": {"max_steps": STEPS}, "checkpoint": {"every": 2, "keep": 2}})
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train_workers(2, config, f"out_dir={straight}")
+    train_workers(2, config, f"out_dir={resumed}", f"train.stop_at_step={HALF}")
+    assert [p.name for p in checkpoint.list_checkpoints(resumed)] == ["step_00000002", "step_00000004"]
+    proc = train_workers(2, config, f"out_dir={resumed}")
+    assert "resuming at step 4" in proc.stdout
+    assert_same_losses(step_losses(straight), step_losses(resumed), min_steps=STEPS)
+    assert_same_params(load_params(straight, 0), load_params(resumed, 0))
+    assert_same_params(load_params(resumed, 0), load_params(resumed, 1))
+    # keep=2: only the two newest checkpoints remain
+    assert [p.name for p in checkpoint.list_checkpoints(resumed)] == ["step_00000006", "step_00000008"]
+
+
+def test_resume_with_two_workers_from_a_one_worker_checkpoint(tmp_path, tiny_config):
+    """Global batch fixed at 8: 1 worker accumulates 2 micro batches, 2 workers 1 each; the
+    data order continues from the checkpoint's stream position."""
+    config = tiny_config({"train": {"max_steps": STEPS, "global_batch_size": 8}})
+    straight, moved = tmp_path / "straight", tmp_path / "moved"
+    train_workers(1, config, f"out_dir={straight}")
+    train_workers(1, config, f"out_dir={moved}", f"train.stop_at_step={HALF}")
+    train_workers(2, config, f"out_dir={moved}")
+    losses = step_losses(moved)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert_same_losses(step_losses(straight), losses, min_steps=STEPS)
+    assert_same_params(load_params(straight, 0), load_params(moved, 1), atol=1e-5)
+
+
+def test_kill_during_checkpoint_write_keeps_previous_checkpoint(tmp_path, tiny_config):
+    config = tiny_config({"train": {"max_steps": STEPS}, "checkpoint": {"every": 2, "keep": 3}})
+    out = tmp_path / "run"
+    # The worker SIGKILLs itself halfway through writing the step-4 checkpoint's state file.
+    proc = horovodrun(2, [WORKERS / "die_during_checkpoint.py", config, f"out_dir={out}", "4"])
+    assert proc.returncode != 0
+    assert any(p.name.startswith(".tmp-step_00000004") for p in checkpoint.checkpoint_dir(out).iterdir())
+    newest = checkpoint.latest_checkpoint(out)
+    assert newest.name == "step_00000002"
+    state = checkpoint.load_state(newest)  # loadable
+    assert state["step"] == 2 and state["position"] == 2 * 8
+    # The same command resumes from step 2 and finishes; the partial write is cleaned up.
+    proc = train_workers(2, config, f"out_dir={out}")
+    assert "resuming at step 2" in proc.stdout
+    assert sorted(step_losses(out))[-1] == STEPS
+    assert not [p for p in checkpoint.checkpoint_dir(out).iterdir() if p.name.startswith(".")]
+    assert checkpoint.latest_checkpoint(out).name == f"step_{STEPS:08d}"
+
+
+@pytest.mark.parametrize("rule,factor", [("linear", 2.0), ("sqrt", 2 ** 0.5)])
+def test_lr_scaling_at_two_workers(tmp_path, tiny_config, rule, factor):
+    from conftest import read_metrics
+    config = tiny_config({"train": {"max_steps": 4, "warmup_steps": 2, "schedule": "constant", "lr": 1e-3,
+                                    "lr_scaling": rule}})
+    train_workers(2, config, f"out_dir={tmp_path}")
+    records = read_metrics(tmp_path)[0]
+    lr_after_warmup = [r["lr"] for r in records if r["step"] > 2]
+    assert lr_after_warmup == pytest.approx([1e-3 * factor] * 2)
+    assert records[0]["lr"] == pytest.approx(1e-3 * factor / 2)  # warmup step 1 of 2

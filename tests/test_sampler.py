@@ -1,0 +1,93 @@
+"""The stream sampler: disjoint, covering, reshuffled per epoch, deterministic, and the same
+global batches whatever the world size (no processes needed)."""
+import pytest
+
+from hvdtrain.sampler import EvalSampler, StreamSampler
+
+
+def rank_batches(n, micro, accum, world, seed=0, steps=10, start=0):
+    """{rank: list of micro batches (lists of (position, index))} for `steps` steps."""
+    return {r: list(StreamSampler(n, micro, accum, r, world, seed, start_position=start, max_steps=steps))
+            for r in range(world)}
+
+
+def global_batches(n, micro, accum, world, seed=0, steps=10, start=0):
+    """Per step: the multiset of dataset indices all ranks read, as a sorted list."""
+    per_rank = rank_batches(n, micro, accum, world, seed, steps, start)
+    out = []
+    for s in range(steps - start // (micro * accum * world)):
+        keys = [k for r in range(world) for mb in per_rank[r][s * accum:(s + 1) * accum] for k in mb]
+        out.append(sorted(i for _, i in keys))
+    return out
+
+
+@pytest.mark.parametrize("n", [64, 67, 101])  # divisible and odd dataset sizes
+def test_each_epoch_covers_the_dataset_once_and_shards_are_disjoint(n):
+    micro, accum, world = 2, 2, 2
+    per_rank = rank_batches(n, micro, accum, world, steps=60)
+    positions = {}
+    for r, batches in per_rank.items():
+        for pos, idx in (k for mb in batches for k in mb):
+            assert pos not in positions, "a stream position was read by two ranks"
+            positions[pos] = idx
+    assert sorted(positions) == list(range(len(positions)))  # no gaps
+    full_epochs = len(positions) // n
+    assert full_epochs >= 2
+    for e in range(full_epochs):
+        assert sorted(positions[p] for p in range(e * n, (e + 1) * n)) == list(range(n))
+    epoch0 = [positions[p] for p in range(n)]
+    epoch1 = [positions[p] for p in range(n, 2 * n)]
+    assert epoch0 != epoch1, "each epoch must be reshuffled"
+
+
+def test_tail_of_an_epoch_continues_into_the_next():
+    """67 samples, global batch 8: step 8 holds the last 3 samples of epoch 0 and 5 of epoch 1."""
+    s = StreamSampler(67, 4, 1, 0, 2, seed=1)
+    keys = s.global_batch_keys(8)
+    assert [p for p, _ in keys] == list(range(64, 72))
+    epoch0_tail = {i for p, i in keys if p < 67}
+    seen_before = {i for step in range(8) for _, i in s.global_batch_keys(step)}
+    assert len(epoch0_tail) == 3 and not epoch0_tail & seen_before
+    assert seen_before | epoch0_tail == set(range(67))
+
+
+def test_deterministic_and_seed_dependent():
+    assert global_batches(50, 2, 1, 2, seed=3) == global_batches(50, 2, 1, 2, seed=3)
+    assert global_batches(50, 2, 1, 2, seed=3) != global_batches(50, 2, 1, 2, seed=4)
+
+
+def test_global_batch_is_the_same_for_1_2_and_4_workers():
+    """Global batch 8: 1 worker x accum 4 x micro 2, 2 x 2 x 2, 4 x 1 x 2."""
+    one = global_batches(37, 2, 4, 1, seed=5, steps=12)
+    two = global_batches(37, 2, 2, 2, seed=5, steps=12)
+    four = global_batches(37, 2, 1, 4, seed=5, steps=12)
+    assert one == two == four
+
+
+def test_resume_jumps_to_the_next_unseen_sample():
+    full = rank_batches(45, 2, 2, 2, seed=9, steps=10)
+    resumed = rank_batches(45, 2, 2, 2, seed=9, steps=10, start=4 * 8)
+    for r in range(2):
+        assert resumed[r] == full[r][4 * 2:]
+    # resume with another world size: same global batches from the same position
+    assert global_batches(45, 2, 4, 1, seed=9, steps=10, start=32) == global_batches(45, 2, 2, 2, seed=9, steps=10)[4:]
+
+
+def test_resume_does_not_iterate_through_seen_batches():
+    """Starting at a position far away costs no replay: only that epoch's permutation is drawn."""
+    s = StreamSampler(1000, 10, 1, 0, 1, seed=0, start_position=10_000_000, max_steps=1_000_001)
+    first = next(iter(s))
+    assert [p for p, _ in first] == list(range(10_000_000, 10_000_010))
+    assert s._perm_epoch == 10_000
+
+
+def test_start_position_must_fall_on_a_step_boundary():
+    with pytest.raises(ValueError):
+        StreamSampler(100, 4, 1, 0, 2, seed=0, start_position=4)
+
+
+def test_eval_sampler_is_the_same_set_for_any_world_size():
+    def keys(world):
+        return sorted(k for r in range(world) for b in EvalSampler(10, 3, 5, r, world) for k in b)
+    assert keys(1) == keys(2) == keys(4)
+    assert len(keys(1)) == 15
