@@ -1,6 +1,7 @@
 """Checkpoints: written by rank 0, atomically, keeping the newest K.
 
-Layout: OUT_DIR/checkpoints/step_00000100/{model.safetensors, state.pt}
+Layout: OUT_DIR/checkpoints/step_00000100/{config.json, model.safetensors, state.pt}
+  config.json        the transformers model config (to rebuild the model for export)
   model.safetensors  the weights (safetensors, shared/tied tensors handled by save_model)
   state.pt           optimizer, LR schedule, grad scaler, RNG states of every rank, the data
                      stream position, the step, the config and the world size it was written with
@@ -52,6 +53,11 @@ def resolve_checkpoint(path) -> Path:
     return newest
 
 
+def run_dir_of(ckpt: Path) -> Path:
+    """OUT_DIR of OUT_DIR/checkpoints/step_N."""
+    return Path(ckpt).resolve().parent.parent
+
+
 def _fsync(path: Path):
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -67,9 +73,10 @@ def save_checkpoint(out_dir, step: int, model, state: dict, keep: int) -> Path:
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    model.config.to_json_file(tmp / "config.json")
     save_model(model, str(tmp / MODEL_FILE))
     torch.save(state, tmp / STATE_FILE)
-    for f in (MODEL_FILE, STATE_FILE):
+    for f in ("config.json", MODEL_FILE, STATE_FILE):
         _fsync(tmp / f)
     _fsync(tmp)
     if final.exists():  # the same step written again (e.g. a rerun): swap, never delete first

@@ -4,6 +4,8 @@
   hvdtrain launch -np N [-H h1:4,h2:4] CONFIG [...]   N workers through horovodrun
   hvdtrain profile CONFIG [...]                      a short profiled run (see hvdtrain/profiling.py)
   hvdtrain doctor                                    what this installation can do
+  hvdtrain export RUN_OR_CHECKPOINT OUT              a Hugging Face folder
+  hvdtrain generate MODEL "prompt" / fill-mask MODEL "text with [MASK]"
 
 A user mistake (UserError) becomes one line on stderr and exit code 2, printed once (by
 rank 0) even when many workers hit it.
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import time
 
+from hvdtrain import export, inference
 from hvdtrain.errors import UserError
 
 RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
@@ -143,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("doctor", help="show what this installation can do")
     p.set_defaults(func=run_doctor)
+
+    export.add_cli(sub)
+    inference.add_cli(sub)
     return parser
 
 

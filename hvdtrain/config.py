@@ -225,7 +225,15 @@ def merge_override(tree: dict, path: list[str], value):
     node[path[-1]] = value
 
 
-def read_yaml(path: str) -> dict:
+def deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def read_yaml(path: str, seen: tuple = ()) -> dict:
+    """A recipe file; `base: other.yaml` (relative to this file) inherits that recipe's keys."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"config file '{path}' does not exist")
@@ -239,7 +247,15 @@ def read_yaml(path: str) -> dict:
         return {}
     if not isinstance(data, dict):
         raise UserError(f"config file '{path}': expected a mapping of keys at the top level")
-    return data
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise UserError(f"config file '{path}': 'base' must be the path of another recipe")
+    base_path = (p.parent / base).resolve()
+    if base_path in seen:
+        raise UserError(f"config file '{path}': 'base' chain loops back to {base_path}")
+    return deep_merge(read_yaml(str(base_path), seen + (base_path,)), data)
 
 
 def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:

@@ -20,6 +20,7 @@ from hvdtrain import checkpoint, distributed
 from hvdtrain.config import Config, resolve_batch
 from hvdtrain.data import build_data
 from hvdtrain.errors import UserError
+from hvdtrain.export import save_hf
 from hvdtrain.lr_schedule import lr_multiplier
 from hvdtrain.models import IGNORE_INDEX, build_model, logits_and_labels, prepare
 from hvdtrain.profiling import Profiler
@@ -173,7 +174,7 @@ def train(cfg: Config) -> torch.nn.Module:
         log = RunLog(cfg.out_dir, start_step, t.max_steps, cfg.log.progress, cfg.log.tensorboard)
 
     timer = StepTimer(device, cfg.log.step_breakdown)
-    throughput = Throughput(cfg, model, world, global_batch)
+    throughput = Throughput(cfg, data.vocab.size, world, global_batch)
     profiler = Profiler(cfg.profile, cfg.out_dir, world, timer)
     grad_scale = distributed.gradient_scale(cfg.horovod.op, world.size)
     batches = iter(loader)
@@ -259,4 +260,6 @@ def train(cfg: Config) -> torch.nn.Module:
     profiler.close()
     if log is not None:
         log.close()
+        save_hf(model, Path(cfg.out_dir) / "tokenizer", Path(cfg.out_dir) / "hf")
+        world.print(f"hvdtrain: model saved as a Hugging Face folder in {Path(cfg.out_dir) / 'hf'}")
     return model

@@ -77,7 +77,7 @@ def text_data(cfg: Config, root: Path):
     from hvdtrain.data.tokenizer import load_or_train_tokenizer
 
     data, arch = cfg.data, cfg.model.arch
-    train_texts, val_texts = load_text(data)
+    train_texts, val_texts = load_text(data, root)
     if val_texts is None:
         train_texts, val_texts = split_validation(train_texts, data.validation_fraction, cfg.train.seed)
     if data.tokenizer == "train" and cfg.model.pretrained:

@@ -1,0 +1,50 @@
+"""Export a checkpoint as a Hugging Face folder that transformers loads without hvdtrain.
+
+    hvdtrain export RUN_DIR_OR_CHECKPOINT OUT
+
+OUT gets config.json + model.safetensors (save_pretrained) and the tokenizer, so
+AutoModelForCausalLM / AutoModelForMaskedLM and AutoTokenizer load it directly.
+"""
+import shutil
+from pathlib import Path
+
+from hvdtrain import checkpoint
+from hvdtrain.errors import UserError
+
+
+def save_hf(model, tokenizer_dir: Path | None, out: Path):
+    model.save_pretrained(out, safe_serialization=True)
+    if tokenizer_dir is not None and tokenizer_dir.is_dir():
+        for f in tokenizer_dir.iterdir():
+            shutil.copy2(f, out / f.name)
+
+
+def load_checkpoint_model(ckpt: Path):
+    """The model of a checkpoint folder, rebuilt from its config.json and weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
+
+    config = AutoConfig.from_pretrained(ckpt)
+    auto = AutoModelForMaskedLM if config.model_type == "bert" else AutoModelForCausalLM
+    model = auto.from_config(config)
+    checkpoint.load_weights(model, ckpt)
+    return model
+
+
+def run_export(args) -> int:
+    ckpt = checkpoint.resolve_checkpoint(args.source)
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.force:
+        raise UserError(f"export folder '{out}' is not empty (use --force to overwrite)")
+    model = load_checkpoint_model(ckpt)
+    out.mkdir(parents=True, exist_ok=True)
+    save_hf(model, checkpoint.run_dir_of(ckpt) / "tokenizer", out)
+    print(f"exported {ckpt} -> {out}")
+    return 0
+
+
+def add_cli(sub):
+    p = sub.add_parser("export", help="write a Hugging Face folder from a run or checkpoint")
+    p.add_argument("source", help="run folder (its newest checkpoint) or a checkpoint folder")
+    p.add_argument("out", help="output folder")
+    p.add_argument("--force", action="store_true", help="write into a non-empty folder")
+    p.set_defaults(func=run_export)

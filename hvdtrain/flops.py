@@ -1,0 +1,155 @@
+"""Model size, training FLOPs per token, GPU peak throughput and MFU: plain arithmetic.
+
+Model FLOPs Utilization (MFU) is the fraction of the GPUs' peak dense throughput that the
+model's own arithmetic uses: MFU = tokens/s x FLOPs/token / peak FLOP/s. The FLOPs count is
+the model's, not the hardware's: recomputation under activation checkpointing is not counted
+(PaLM, Chowdhery et al. 2022, appendix B).
+
+No torch import here: `hvdtrain plan` uses this module and must start fast.
+"""
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+# HF BertConfig.type_vocab_size: the segment A / segment B embedding rows.
+BERT_TOKEN_TYPES = 2
+
+
+def model_dims(cfg) -> dict:
+    """The model shape a Config describes, with its defaults resolved (d_ff: 4 x d_model,
+    max_position: data.seq_len): keyword arguments for count_params and flops_params."""
+    m = cfg.model
+    return dict(arch=m.arch, n_layer=m.n_layer, d_model=m.d_model, d_ff=m.d_ff or 4 * m.d_model,
+                vocab_size=cfg.data.vocab_size, max_position=m.max_position or cfg.data.seq_len)
+
+
+def count_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: int, max_position: int,
+                 tied_embeddings: bool = True) -> int:
+    """Parameters of HF GPT2LMHeadModel / BertForMaskedLM, counted as
+    `sum(p.numel() for p in model.parameters())` counts them (a tied weight once).
+
+    A transformer layer is the same in both: Q, K, V and output projections with biases
+    (4d^2 + 4d), two MLP linears with biases (2·d·d_ff + d_ff + d), two LayerNorms (4d).
+    """
+    d, f, v = d_model, d_ff, vocab_size
+    layer = (4 * d * d + 4 * d) + (2 * d * f + f + d) + 2 * (2 * d)
+    if arch == "gpt2":
+        embeddings = v * d + max_position * d  # wte, wpe
+        head = 2 * d  # final LayerNorm ln_f; lm_head is wte itself (no bias) when tied
+    elif arch == "bert":
+        # word, position, token-type embeddings and their LayerNorm
+        embeddings = v * d + max_position * d + BERT_TOKEN_TYPES * d + 2 * d
+        # MLM head: transform dense + LayerNorm, then the decoder (wte when tied) with its own bias.
+        # BertForMaskedLM builds BertModel(add_pooling_layer=False): no pooler.
+        head = (d * d + d) + 2 * d + v
+    else:
+        raise ValueError(f"unknown arch {arch!r}")
+    untied_output = 0
+    if not tied_embeddings:
+        untied_output = v * d
+        if arch == "bert":
+            # transformers 5 ties the decoder's bias to cls.predictions.bias only together with
+            # the weight: untied, the decoder keeps its own bias (4.x always shared it).
+            untied_output += v
+    return embeddings + n_layer * layer + head + untied_output
+
+
+def flops_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: int, max_position: int,
+                 tied_embeddings: bool = True) -> int:
+    """N in the 6N term: the parameters every token multiplies with.
+
+    That is all parameters except the lookup tables (position and token-type embeddings, and
+    the input token embedding when it is not tied), but *including* the output projection
+    V x d, which is a real matmul on every position (GPT-2 computes next-token logits for every
+    position, and HF BertForMaskedLM computes MLM logits for every position too). This is
+    nanoGPT's choice (all parameters minus position embeddings). Leaving the output projection
+    out, as Kaplan et al.'s "non-embedding N" does, would under-count GPT-2 124M by ~30%.
+    """
+    total = count_params(arch, n_layer, d_model, d_ff, vocab_size, max_position, tied_embeddings)
+    lookups = max_position * d_model + (BERT_TOKEN_TYPES * d_model if arch == "bert" else 0)
+    if not tied_embeddings:
+        lookups += vocab_size * d_model  # the input table; the separate output projection stays
+    return total - lookups
+
+
+def flops_per_token(n_params: int, n_layer: int, d_model: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N + 12·L·H·Q·T (PaLM appendix B; nanoGPT's estimate_mfu).
+
+    6N: forward 2N (a multiply and an add per parameter), backward 4N (gradients of inputs and
+    of weights). 12·L·H·Q·T: the attention scores QK^T and the weighted sum over values, 2·T·d
+    multiply-adds each per layer in the forward, x3 for forward + backward; H·Q = d_model.
+    Pass N = flops_params(...). Causal masking is not discounted (PaLM's convention).
+    """
+    return 6.0 * n_params + 12.0 * n_layer * d_model * seq_len
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_tflops_total: float) -> float:
+    """Model FLOPs Utilization. tokens_per_s is the whole job's throughput and
+    peak_tflops_total the peak of all its GPUs together (per-GPU peak x GPUs)."""
+    return tokens_per_s * flops_per_token / (peak_tflops_total * 1e12)
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One GPU model: dense (no 2:4 sparsity) peak TFLOP/s per precision and memory.
+
+    bf16/fp16 are tensor-core rates with fp32 accumulation (what PyTorch autocast uses; on
+    GeForce cards that is half the fp16-accumulate rate). fp32 is the plain CUDA-core rate:
+    PyTorch does not use TF32 for matmuls unless torch.backends.cuda.matmul.allow_tf32 is set.
+    None: the GPU has no tensor-core path for that precision (bf16 before Ampere), or the
+    vendor publishes no figure. memory_gib: nominal memory (the driver keeps 1-2% of it).
+    Sources: NVIDIA datasheets and architecture whitepapers (Volta, Ampere GA100/GA102, Ada,
+    Hopper, H200 and HGX B200 product briefs).
+    """
+    name: str
+    pattern: str  # regex, searched case-insensitively in the device name
+    memory_gib: float
+    bf16: Optional[float]
+    fp16: Optional[float]
+    fp32: Optional[float]
+
+
+# Ordered: the first pattern that matches wins, so variants come before the plain model name.
+# \b keeps "A10" from matching "A100"/"A10G" and "L4" from matching "L40S".
+# Names as torch.cuda.get_device_name() reports them: "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe",
+# "NVIDIA A100-SXM4-40GB", "NVIDIA A100 80GB PCIe", "NVIDIA H200", "Tesla V100-SXM2-32GB", ...
+GPUS = [
+    GpuSpec("B200", r"\bB200\b", 180, 2250, 2250, None),
+    GpuSpec("H200 NVL", r"\bH200\b.*\bNVL\b", 141, 835, 835, 60),
+    GpuSpec("H200", r"\bH200\b", 141, 989, 989, 67),
+    GpuSpec("H100 PCIe", r"\bH100\b.*\bPCIe\b", 80, 756, 756, 51),
+    GpuSpec("H100 NVL", r"\bH100\b.*\bNVL\b", 94, 835, 835, 60),
+    GpuSpec("H100 SXM", r"\bH100\b", 80, 989, 989, 67),
+    GpuSpec("A100 40GB", r"\bA100\b.*\b40\s*GB\b", 40, 312, 312, 19.5),
+    GpuSpec("A100 80GB", r"\bA100\b", 80, 312, 312, 19.5),
+    GpuSpec("L40S", r"\bL40S\b", 48, 362, 362, 91.6),
+    GpuSpec("L40", r"\bL40\b", 48, 181, 181, 90.5),
+    GpuSpec("L4", r"\bL4\b", 24, 121, 121, 30.3),
+    GpuSpec("A40", r"\bA40\b", 48, 149.7, 149.7, 37.4),
+    GpuSpec("A10", r"\bA10\b", 24, 125, 125, 31.2),
+    GpuSpec("RTX 4090", r"\bRTX\s*4090\b", 24, 165.2, 165.2, 82.6),
+    GpuSpec("RTX 3090", r"\bRTX\s*3090\b", 24, 71, 71, 35.6),
+    GpuSpec("V100 32GB", r"\bV100\b.*\b32\s*GB\b", 32, None, 125, 15.7),  # SXM2 figures
+    GpuSpec("V100 16GB", r"\bV100\b", 16, None, 125, 15.7),
+    GpuSpec("T4", r"\bT4\b", 16, None, 65, 8.1),
+]
+
+
+def find_gpu(name: str) -> Optional[GpuSpec]:
+    """The table entry for a device name ("NVIDIA H100 80GB HBM3") or a short one ("h100")."""
+    for spec in GPUS:
+        if re.search(spec.pattern, name, re.IGNORECASE):
+            return spec
+    return None
+
+
+def peak_tflops(gpu_name: str, precision: str) -> tuple[Optional[float], str]:
+    """(dense peak TFLOP/s of one GPU at `precision`, which table entry gave it). The value is
+    None on a CPU, an unknown GPU, or a precision the GPU has no figure for; the text says why."""
+    spec = find_gpu(gpu_name)
+    if spec is None:
+        return None, f"no peak-throughput entry for device {gpu_name!r}"
+    value = getattr(spec, precision)
+    if value is None:
+        return None, f"{spec.name}: no dense {precision} figure"
+    return float(value), f"{spec.name} {precision} dense"

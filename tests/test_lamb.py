@@ -1,0 +1,43 @@
+import torch
+
+from hvdtrain.lamb import Lamb
+
+
+def reference_lamb(w, grads, lr, betas, eps, wd):
+    """The LAMB update written out step by step (You et al. 2019, algorithm 2)."""
+    m = torch.zeros_like(w)
+    v = torch.zeros_like(w)
+    for t, g in enumerate(grads, start=1):
+        m = betas[0] * m + (1 - betas[0]) * g
+        v = betas[1] * v + (1 - betas[1]) * g * g
+        r = (m / (1 - betas[0] ** t)) / ((v / (1 - betas[1] ** t)).sqrt() + eps) + wd * w
+        w = w - lr * (w.norm() / r.norm()) * r
+    return w
+
+
+def test_matches_the_written_out_algorithm():
+    torch.manual_seed(0)
+    w0 = torch.randn(5, 4)
+    grads = [torch.randn(5, 4) for _ in range(3)]
+    p = torch.nn.Parameter(w0.clone())
+    opt = Lamb([p], lr=0.01, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    assert torch.allclose(p.detach(), reference_lamb(w0, grads, 0.01, (0.9, 0.999), 1e-6, 0.01), atol=1e-6)
+
+
+def test_trust_ratio_makes_the_step_relative_to_the_weight():
+    """With one step, ||delta w|| = lr * ||w|| whatever the gradient's scale."""
+    for scale in (1e-3, 1.0, 1e3):
+        p = torch.nn.Parameter(torch.full((10,), 2.0))
+        p.grad = torch.randn(10) * scale
+        Lamb([p], lr=0.1, weight_decay=0.0).step()
+        assert torch.isclose((p.detach() - 2.0).norm(), torch.tensor(0.1 * 2.0 * 10 ** 0.5), rtol=1e-4)
+
+
+def test_zero_weights_use_trust_ratio_one():
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.ones(3)
+    Lamb([p], lr=0.1, weight_decay=0.0).step()
+    assert torch.allclose(p.detach(), torch.full((3,), -0.1), atol=1e-5)

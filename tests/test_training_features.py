@@ -1,0 +1,49 @@
+"""Training-loop features with real workers: mixed precision with clipping, uneven data,
+evaluation, the run folder's outputs; and the zero_grad shim for Horovod's optimizer."""
+import json
+import math
+
+import pytest
+import torch
+import yaml
+
+from conftest import read_metrics, step_losses, train_workers
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_mixed_precision_with_clipping_on_uneven_data(tmp_path, tiny_config, precision):
+    """37 samples and a global batch of 8: epochs end mid-batch, every rank still runs every
+    step (no deadlock, the run ends within the timeout)."""
+    config = tiny_config({"train": {"precision": precision, "grad_clip": 0.5, "max_steps": 12, "lr": 3e-3},
+                          "data": {"synthetic_samples": 37}, "eval": {"every": 4}, "log": {"tensorboard": True}})
+    train_workers(2, config, f"out_dir={tmp_path}", timeout=240)
+    losses = step_losses(tmp_path)
+    assert sorted(losses) == list(range(1, 13))
+    assert all(math.isfinite(v) for v in losses.values())
+    assert losses[12] < losses[1]
+    train, evals = read_metrics(tmp_path)
+    assert [e["step"] for e in evals] == [4, 8, 12]
+    for key in ("step", "loss", "lr", "tokens_per_s", "world_size"):
+        assert key in train[-1]
+    assert train[-1]["world_size"] == 2
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert saved["train"]["precision"] == precision and saved["resolved"]["global_batch"] == 8
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_zero_grad_sets_gradients_to_none():
+    """Horovod's DistributedOptimizer.zero_grad() takes no set_to_none argument."""
+    import horovod.torch as hvd
+
+    from hvdtrain.config import HorovodConfig
+    from hvdtrain.distributed import wrap_optimizer, zero_grad
+
+    hvd.init()
+    model = torch.nn.Linear(3, 2)
+    opt = wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, HorovodConfig(), 1)
+    with pytest.raises(TypeError):
+        opt.zero_grad(set_to_none=True)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    zero_grad(opt)
+    assert all(p.grad is None for p in model.parameters())
