@@ -189,6 +189,12 @@ def train(cfg: Config) -> torch.nn.Module:
                 "scaler": scaler.state_dict(), "rng": rngs, "config": cfg.to_dict(), "world_size": world.size,
             }, keep=cfg.checkpoint.keep)
 
+    if start_step == 0:  # the baseline every later evaluation is compared with
+        result = evaluate(model, eval_loader, device, autocast)
+        if log is not None:
+            log.eval_record({"step": 0, **result})
+        timer.reset()
+
     last_step = t.stop_at_step or t.max_steps
     for step in range(start_step, last_step):
         lr = peak_lr * lr_multiplier(step, t)

@@ -1,0 +1,148 @@
+"""The tokenizer: trained on the corpus (`data.tokenizer: train`) or a pretrained one.
+
+A trained tokenizer follows its architecture's convention: byte-level BPE with
+`<|endoftext|>` for GPT-2, lowercase WordPiece with [PAD] [UNK] [CLS] [SEP] [MASK] for
+BERT. Training is cached on disk, keyed by the corpus, so only the first process on a
+host trains and the others load the result. This module also holds the two helpers for
+such caches (a key, and an atomic write), which the packing cache reuses.
+"""
+import hashlib
+import json
+import logging
+import os
+import shutil
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+import datasets
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from hvdtrain.config import DataConfig
+from hvdtrain.data.text import one_line, texts_fingerprint
+from hvdtrain.errors import UserError
+
+log = logging.getLogger(__name__)
+
+GPT2_SPECIAL = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
+BERT_SPECIAL = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
+                "mask_token": "[MASK]"}
+
+
+def train_tokenizer(texts: datasets.Dataset, arch: str, vocab_size: int) -> PreTrainedTokenizerFast:
+    """A new tokenizer with (at most) `vocab_size` tokens learnt from `texts`, wrapped for
+    `transformers` with its special tokens set (so `save_pretrained` keeps them)."""
+    if arch == "gpt2":
+        tokenizer, trainer, special = _byte_level_bpe(), _bpe_trainer(vocab_size), GPT2_SPECIAL
+    elif arch == "bert":
+        tokenizer, trainer, special = _wordpiece(), _wordpiece_trainer(vocab_size), BERT_SPECIAL
+    else:
+        raise ValueError(f"no tokenizer recipe for arch {arch!r}")
+    batches = (batch["text"] for batch in texts.iter(batch_size=1000))
+    tokenizer.train_from_iterator(batches, trainer, length=len(texts))
+    if arch == "bert":  # the template needs the ids, which exist only after training
+        tokenizer.post_processor = _bert_template(tokenizer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **special)
+
+
+def load_or_train_tokenizer(cfg: DataConfig, arch: str, texts: datasets.Dataset,
+                            cache_root: Path) -> PreTrainedTokenizerFast:
+    """The tokenizer `data.tokenizer` asks for. A trained one is cached under
+    `cache_root/tokenizers/<key>`, keyed by (texts, arch, vocab_size); every caller gets
+    the copy loaded back from disk, so the first process and later ones hold the same
+    tokenizer (and the same fingerprint)."""
+    if cfg.tokenizer != "train":
+        return _pretrained(cfg.tokenizer)
+    path = cache_root / "tokenizers" / cache_key(texts_fingerprint(texts), arch, cfg.vocab_size)
+    if path.exists():
+        log.info("tokenizer: cache hit %s", path)
+    else:
+        log.info("tokenizer: training a %s tokenizer (vocab %d) on %d documents", arch, cfg.vocab_size, len(texts))
+        with atomic_path(path) as tmp:
+            train_tokenizer(texts, arch, cfg.vocab_size).save_pretrained(tmp)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerFast) -> str:
+    """A hash of everything that decides the token ids: the serialized tokenizer and its
+    special tokens."""
+    return cache_key(tokenizer.backend_tokenizer.to_str(), json.dumps(tokenizer.special_tokens_map, sort_keys=True))
+
+
+def _pretrained(name: str) -> PreTrainedTokenizerFast:
+    """A fast (Rust `tokenizers`) tokenizer: batch tokenization needs its speed and the
+    cache key its serialized form."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except OSError as e:  # missing local folder, unknown hub name, or the hub cannot be reached
+        raise UserError(f"config key 'data.tokenizer': could not load '{name}' as a local tokenizer folder or "
+                        f"from the hub ({one_line(e)}); use data.tokenizer=train to train one") from None
+    if not getattr(tokenizer, "is_fast", False):
+        raise UserError(f"config key 'data.tokenizer': '{name}' has no fast (tokenizer.json) version")
+    return tokenizer
+
+
+# ---------------------------------------------------------------- recipes
+
+def _byte_level_bpe() -> Tokenizer:
+    """GPT-2's design: BPE over bytes, so any text is encodable without an unknown token."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tokenizer
+
+
+def _bpe_trainer(vocab_size: int) -> trainers.BpeTrainer:
+    return trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[GPT2_SPECIAL["eos_token"]],
+                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+
+
+def _wordpiece() -> Tokenizer:
+    """BERT's uncased design: lowercase, strip accents, split on whitespace and punctuation."""
+    tokenizer = Tokenizer(models.WordPiece(unk_token=BERT_SPECIAL["unk_token"]))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")
+    return tokenizer
+
+
+def _wordpiece_trainer(vocab_size: int) -> trainers.WordPieceTrainer:
+    return trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=list(BERT_SPECIAL.values()),
+                                     continuing_subword_prefix="##", show_progress=False)
+
+
+def _bert_template(tokenizer: Tokenizer) -> processors.TemplateProcessing:
+    """[CLS] A [SEP] (B [SEP]): what `tokenizer(text)` adds, as BERT expects."""
+    cls, sep = BERT_SPECIAL["cls_token"], BERT_SPECIAL["sep_token"]
+    return processors.TemplateProcessing(single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
+                                         special_tokens=[(t, tokenizer.token_to_id(t)) for t in (cls, sep)])
+
+
+# ---------------------------------------------------------------- caches (shared with packing)
+
+def cache_key(*parts) -> str:
+    """A short stable hash of `parts` (strings and numbers): the name of a cache entry."""
+    return hashlib.sha256(json.dumps([str(p) for p in parts]).encode()).hexdigest()[:16]
+
+
+@contextmanager
+def atomic_path(target: Path):
+    """Yield a temporary path next to `target` to write a file or folder into; once the
+    block succeeds it is renamed to `target` in one step, so a crash never leaves a half
+    written cache. If another process got there first its copy is kept."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        yield tmp
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not target.exists():
+                raise
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp)
+        elif tmp.exists():
+            tmp.unlink()
