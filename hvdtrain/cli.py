@@ -11,12 +11,14 @@ A user mistake (UserError) becomes one line on stderr and exit code 2, printed o
 rank 0) even when many workers hit it.
 """
 import argparse
+import logging
 import os
 import shutil
 import subprocess
 import sys
 import time
 
+from hvdtrain import bench, export, inference, report
 from hvdtrain import export, inference
 from hvdtrain.errors import UserError
 
@@ -147,14 +149,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="show what this installation can do")
     p.set_defaults(func=run_doctor)
 
-    export.add_cli(sub)
-    inference.add_cli(sub)
+    # Subcommands defined next to their code; those modules import torch lazily, so
+    # `hvdtrain --help` stays fast.
+    for module in (export, inference):
+        module.add_cli(sub)
+    report.add_cli(sub)
+    bench.add_cli(sub)
     return parser
 
 
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # hvdtrain's modules log progress notes (e.g. data cache hits) at INFO: shown by rank 0 only.
+    logging.basicConfig(format="hvdtrain: %(message)s", stream=sys.stdout)
+    logging.getLogger("hvdtrain").setLevel(logging.INFO if process_rank() == 0 else logging.WARNING)
     try:
         return args.func(args)
     except UserError as e:

@@ -8,7 +8,6 @@ AutoModelForCausalLM / AutoModelForMaskedLM and AutoTokenizer load it directly.
 import shutil
 from pathlib import Path
 
-from hvdtrain import checkpoint
 from hvdtrain.errors import UserError
 
 
@@ -23,6 +22,8 @@ def load_checkpoint_model(ckpt: Path):
     """The model of a checkpoint folder, rebuilt from its config.json and weights."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 
+    from hvdtrain import checkpoint
+
     config = AutoConfig.from_pretrained(ckpt)
     auto = AutoModelForMaskedLM if config.model_type == "bert" else AutoModelForCausalLM
     model = auto.from_config(config)
@@ -31,6 +32,8 @@ def load_checkpoint_model(ckpt: Path):
 
 
 def run_export(args) -> int:
+    from hvdtrain import checkpoint
+
     ckpt = checkpoint.resolve_checkpoint(args.source)
     out = Path(args.out)
     if out.exists() and any(out.iterdir()) and not args.force:

@@ -89,33 +89,46 @@ def torch_info(python: Path) -> dict:
 
 # ---------------------------------------------------------------- Horovod build flags
 
+# Searched after HOROVOD_NCCL_HOME and CUDA_HOME: where libnccl-dev from the CUDA apt repo puts
+# nccl.h and libnccl.so (/usr/include, /usr/lib/x86_64-linux-gnu). A list so tests can empty it.
+SYSTEM_NCCL_HOMES = [Path("/usr")]
+
+
+def nccl_libs(home: Path) -> list[str]:
+    """libnccl.so* under home/lib, lib64 or a multiarch folder such as lib/x86_64-linux-gnu."""
+    return sorted(glob.glob(str(home / "lib*" / "libnccl.so*")) + glob.glob(str(home / "lib" / "*" / "libnccl.so*")))
+
+
+def has_nccl(home: Path) -> bool:
+    return (home / "include" / "nccl.h").exists() and bool(nccl_libs(home))
+
+
 def find_nccl_home(python: Path | None, env: dict) -> Path | None:
     """Where nccl.h and libnccl.so live: HOROVOD_NCCL_HOME, a system install, or the nvidia-nccl pip wheel."""
     candidates = []
     if env.get("HOROVOD_NCCL_HOME"):
         candidates.append(Path(env["HOROVOD_NCCL_HOME"]))
-    cuda_home = env.get("CUDA_HOME", "/usr/local/cuda")
-    candidates += [Path(cuda_home), Path("/usr")]
+    candidates += [Path(env.get("CUDA_HOME", "/usr/local/cuda")), *SYSTEM_NCCL_HOMES]
     for home in candidates:
-        if (home / "include" / "nccl.h").exists() and (glob.glob(str(home / "lib*" / "libnccl.so*"))
-                                                       or glob.glob(str(home / "lib" / "*" / "libnccl.so*"))):
+        if has_nccl(home):
             return home
     if python is not None:
         site = python_says(python, "import nvidia.nccl, os; print(list(nvidia.nccl.__path__)[0])")
-        if site:
+        if site and has_nccl(Path(site)):
             return Path(site)
     return None
 
 
 def nccl_layout_for_horovod(nccl_home: Path, build_dir: Path) -> Path:
-    """Horovod wants <home>/include/nccl.h and <home>/lib/libnccl.so; the pip wheel ships libnccl.so.2 only."""
+    """Horovod wants <home>/include/nccl.h and <home>/lib/libnccl.so; the pip wheel ships libnccl.so.2
+    only and Debian's libnccl-dev puts the library in lib/<multiarch>, so link both into one folder."""
     if (nccl_home / "lib" / "libnccl.so").exists():
         return nccl_home
     layout = build_dir / "nccl"
     (layout / "include").mkdir(parents=True, exist_ok=True)
     (layout / "lib").mkdir(parents=True, exist_ok=True)
     header = nccl_home / "include" / "nccl.h"
-    lib = sorted(glob.glob(str(nccl_home / "lib" / "libnccl.so*")))[0]
+    lib = nccl_libs(nccl_home)[0]
     for link, target in [(layout / "include" / "nccl.h", header), (layout / "lib" / "libnccl.so", lib)]:
         if not link.exists():
             link.symlink_to(target)
@@ -241,6 +254,8 @@ def main():
     parser.add_argument("--cache-dir", default=os.environ.get("HVDTRAIN_CACHE", str(Path.home() / ".cache" / "hvdtrain")),
                         help="where the Horovod wheel is cached (env HVDTRAIN_CACHE)")
     parser.add_argument("--extras", default="test", help="hvdtrain extras to install ('' for none)")
+    parser.add_argument("--no-hvdtrain", action="store_true",
+                        help="stop after torch and Horovod (a container layer built before the code is copied)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--print-horovod-env", action="store_true",
                         help="print the Horovod build variables this machine gets, as JSON, and exit")
@@ -254,7 +269,8 @@ def main():
         return
     ensure_torch(python, args.torch_spec)
     ensure_horovod(python, cache_dir, args.jobs)
-    ensure_hvdtrain(python, args.extras)
+    if not args.no_hvdtrain:
+        ensure_hvdtrain(python, args.extras)
     log("ready: " + (python_says(python, "import torch, horovod; print('torch', torch.__version__, '| horovod', horovod.__version__)") or "?"))
 
 

@@ -1,0 +1,80 @@
+"""The tiny recipes end to end with real workers: training lowers the validation loss, the
+exported folder loads with transformers alone, generation and fill-mask run; local corpora,
+the tokenization cache, and a hub dataset while offline."""
+import json
+import sys
+
+import pytest
+
+from conftest import REPO, hvdtrain, read_metrics, run_cmd
+
+LOADS_WITHOUT_HVDTRAIN = """
+import sys
+sys.modules["hvdtrain"] = None  # any import of hvdtrain now fails
+from transformers import AutoModelFor{kind}, AutoTokenizer
+model = AutoModelFor{kind}.from_pretrained(sys.argv[1])
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+print(type(model).__name__, len(tok))
+"""
+
+
+@pytest.mark.parametrize("recipe,kind,steps", [("gpt-tiny", "CausalLM", 40), ("bert-tiny", "MaskedLM", 40)])
+def test_tiny_recipe_trains_exports_and_runs(tmp_path, recipe, kind, steps):
+    out = tmp_path / "run"
+    proc = hvdtrain("launch", "-np", "2", REPO / "recipes" / f"{recipe}.yaml", f"out_dir={out}",
+                    f"train.max_steps={steps}", "checkpoint.every=20", "eval.every=20", "log.progress=false",
+                    f"data.cache_dir={tmp_path / 'cache'}", timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    evals = {e["step"]: e["eval_loss"] for e in read_metrics(out)[1]}
+    assert sorted(evals) == [0, 20, steps]
+    print(f"{recipe}: eval loss {evals[0]:.3f} -> {evals[steps]:.3f}")
+    assert evals[steps] < evals[0] - 1.0, evals  # clearly lower: more than 1 nat
+
+    exported = tmp_path / "exported"
+    assert hvdtrain("export", out, exported).returncode == 0
+    check = run_cmd([sys.executable, "-c", LOADS_WITHOUT_HVDTRAIN.format(kind=kind), exported])
+    assert check.returncode == 0, check.stderr[-2000:]
+    assert check.stdout.startswith("GPT2LMHeadModel" if kind == "CausalLM" else "BertForMaskedLM")
+
+    if kind == "CausalLM":
+        proc = hvdtrain("generate", exported, "The Python language", "--max-new-tokens", "20")
+        assert proc.returncode == 0 and proc.stdout.startswith("The Python language"), proc.stderr[-2000:]
+        assert len(proc.stdout.split()) > 3
+    else:
+        proc = hvdtrain("fill-mask", exported, "the [MASK] statement is used in a loop.")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert len(proc.stdout.strip().splitlines()) == 5
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_local_corpus_and_tokenization_cache(tmp_path, suffix):
+    from hvdtrain.data.text import builtin_corpus
+    docs = [d for d in builtin_corpus()["text"][:40]]
+    corpus = tmp_path / f"corpus{suffix}"
+    if suffix == ".txt":
+        corpus.write_text("\n\n".join(docs))
+    else:
+        corpus.write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
+    column = "data.text_column=" + ("text" if suffix == ".txt" else "body")
+    args = ["train", REPO / "recipes" / "gpt-tiny.yaml", f"data.source={corpus}", column,
+            "data.vocab_size=512", "data.seq_len=32", "train.max_steps=2", "train.micro_batch_size=2",
+            "train.global_batch_size=null", "data.num_workers=0", "eval.batches=1", "log.progress=false",
+            f"data.cache_dir={tmp_path / 'cache'}"]
+    first = hvdtrain(*args, f"out_dir={tmp_path / 'a'}")
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    assert "cache hit" not in first.stdout
+    second = hvdtrain(*args, f"out_dir={tmp_path / 'b'}")
+    assert second.returncode == 0
+    assert "tokenizer: cache hit" in second.stdout
+    assert second.stdout.count("tokens, cache hit") == 2  # train and validation blocks reused
+    assert read_metrics(tmp_path / "b")[0][-1]["step"] == 2
+
+
+def test_hub_dataset_while_offline_is_one_clear_line(tmp_path):
+    out = tmp_path / "run"
+    proc = hvdtrain("train", REPO / "recipes" / "gpt-tiny.yaml", "data.source=Salesforce/wikitext",
+                    "data.hub_config=wikitext-103-raw-v1", f"out_dir={out}", f"data.cache_dir={tmp_path / 'c'}")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Salesforce/wikitext" in lines[0] and "data.source" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
