@@ -19,7 +19,7 @@ import sys
 import time
 
 from hvdtrain import bench, export, inference, report
-from hvdtrain import export, inference
+from hvdtrain import export, inference, plan
 from hvdtrain.errors import UserError
 
 RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Subcommands defined next to their code; those modules import torch lazily, so
     # `hvdtrain --help` stays fast.
-    for module in (export, inference):
+    for module in (export, inference, plan):
         module.add_cli(sub)
     report.add_cli(sub)
     bench.add_cli(sub)
@@ -160,7 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # Overrides may also come after options (`hvdtrain plan cfg.yaml --gpus 8 train.lr=1`).
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     # hvdtrain's modules log progress notes (e.g. data cache hits) at INFO: shown by rank 0 only.
     logging.basicConfig(format="hvdtrain: %(message)s", stream=sys.stdout)
     logging.getLogger("hvdtrain").setLevel(logging.INFO if process_rank() == 0 else logging.WARNING)

@@ -39,18 +39,20 @@ class World:
             print(*args, **kwargs, flush=True)
 
 
-def horovod_env(cfg: HorovodConfig, out_dir: str) -> dict:
+def horovod_env(cfg: Config) -> dict:
     """Horovod's tuning knobs are environment variables read by hvd.init()."""
-    env = {}
-    if cfg.fusion_threshold_mb is not None:
-        env["HOROVOD_FUSION_THRESHOLD"] = str(int(cfg.fusion_threshold_mb * 1024 * 1024))
-    if cfg.cycle_time_ms is not None:
-        env["HOROVOD_CYCLE_TIME"] = str(cfg.cycle_time_ms)
-    if cfg.timeline:
-        env["HOROVOD_TIMELINE"] = os.path.join(out_dir, cfg.timeline) if not os.path.isabs(cfg.timeline) else cfg.timeline
-    if cfg.autotune:
+    h, env = cfg.horovod, {}
+    if h.fusion_threshold_mb is not None:
+        env["HOROVOD_FUSION_THRESHOLD"] = str(int(h.fusion_threshold_mb * 1024 * 1024))
+    if h.cycle_time_ms is not None:
+        env["HOROVOD_CYCLE_TIME"] = str(h.cycle_time_ms)
+    if h.timeline:
+        env["HOROVOD_TIMELINE"] = h.timeline if os.path.isabs(h.timeline) else os.path.join(cfg.out_dir, h.timeline)
+    elif cfg.profile.enabled and cfg.profile.timeline:
+        env["HOROVOD_TIMELINE"] = "DYNAMIC"  # started and stopped around the profiled steps
+    if h.autotune:
         env["HOROVOD_AUTOTUNE"] = "1"
-        env["HOROVOD_AUTOTUNE_LOG"] = os.path.join(out_dir, "horovod_autotune.csv")
+        env["HOROVOD_AUTOTUNE_LOG"] = os.path.join(cfg.out_dir, "horovod_autotune.csv")
     return env
 
 
@@ -58,7 +60,7 @@ def init(cfg: Config) -> World:
     """hvd.init(), pin this process to its local GPU, seed every RNG."""
     if hvd is None:
         raise UserError("Horovod is not installed in this environment; run `make setup` (or scripts/install.py)")
-    os.environ.update(horovod_env(cfg.horovod, cfg.out_dir))
+    os.environ.update(horovod_env(cfg))
     hvd.init()
     if torch.cuda.is_available():
         torch.cuda.set_device(hvd.local_rank())
@@ -110,12 +112,38 @@ def wrap_optimizer(optimizer, model, cfg: HorovodConfig, backward_passes_per_ste
     )
 
 
-def gradient_scale(op: str, world_size: int) -> float:
-    """Factor that makes the reduced gradient the gradient of sum(token losses) / global tokens.
+class TokenNormalizer:
+    """Makes the reduced gradient the gradient of (sum of token losses) / (target tokens of the
+    whole optimizer step on all ranks), so np=2 equals np=1 and accumulation equals a bigger
+    micro batch even when ranks hold different numbers of targets (masked LM).
 
-    Each rank's loss is sum(its token losses) / (tokens on all ranks). Allreduce with Sum then
-    gives exactly the global gradient; Average divides by the world size, so we pre-multiply."""
-    return float(world_size) if op in ("average", "adasum") else 1.0
+    The global token count is allreduced in the background while the model computes (no extra
+    synchronisation point before the forward pass): backward runs on the loss times a constant
+    `loss_scale` that is the same on every rank, and once the allreduce of gradients and of the
+    count are both done, `finish` multiplies the gradients by the exact correction.
+    Adasum combines per-rank gradients non-linearly, so there each rank uses its own token mean."""
+
+    def __init__(self, op: str, world_size: int, expected_tokens: int):
+        self.op, self.world_size = op, world_size
+        self.constant = 1.0 / expected_tokens
+
+    def start(self, local_targets: int):
+        self.local_targets = local_targets
+        self.handle = allreduce_sum_async([local_targets], name="targets")
+
+    @property
+    def loss_scale(self) -> float:
+        return 1.0 / max(1, self.local_targets) if self.op == "adasum" else self.constant
+
+    def finish(self, model) -> float:
+        """Correct the reduced gradients; returns the global target count."""
+        global_targets = max(1.0, wait_sum(self.handle)[0])
+        if self.op != "adasum":
+            # Average divided the sum over ranks by the world size; Sum did not.
+            factor = (self.world_size if self.op == "average" else 1) / (self.constant * global_targets)
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            torch._foreach_mul_(grads, factor)
+        return global_targets
 
 
 def zero_grad(optimizer):
@@ -148,9 +176,19 @@ def allgather_object(obj, name: str) -> list:
 
 
 def allreduce_sum(values: list[float], name: str) -> list[float]:
-    """Sum a few Python numbers over ranks in one float64 allreduce (on CPU: cheap, no GPU sync)."""
+    """Sum a few Python numbers over ranks in one float64 allreduce (on CPU: no GPU sync)."""
+    return wait_sum(allreduce_sum_async(values, name))
+
+
+def allreduce_sum_async(values: list[float], name: str):
     t = torch.tensor(values, dtype=torch.float64)
-    return hvd.allreduce(t, op=hvd.Sum, name=name).tolist()
+    if hvd.size() == 1:  # nothing to reduce; skips a Horovod cycle
+        return t
+    return hvd.allreduce_async(t, op=hvd.Sum, name=name)
+
+
+def wait_sum(handle) -> list[float]:
+    return (handle if torch.is_tensor(handle) else hvd.synchronize(handle)).tolist()
 
 
 def allgather_floats(values: list[float], name: str) -> np.ndarray:

@@ -54,33 +54,56 @@ def count_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: i
     return embeddings + n_layer * layer + head + untied_output
 
 
+def head_fraction(cfg) -> float:
+    """Share of positions whose hidden state goes through the output head (the vocabulary
+    projection): all of them for GPT-2; for BERT only the masked ones, data.mlm_probability on
+    average, since hvdtrain projects only those (models.logits_and_labels)."""
+    return cfg.data.mlm_probability if cfg.model.arch == "bert" else 1.0
+
+
 def flops_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: int, max_position: int,
-                 tied_embeddings: bool = True) -> int:
+                 tied_embeddings: bool = True, head_fraction: float = 1.0) -> float:
     """N in the 6N term: the parameters every token multiplies with.
 
     That is all parameters except the lookup tables (position and token-type embeddings, and
     the input token embedding when it is not tied), but *including* the output projection
-    V x d, which is a real matmul on every position (GPT-2 computes next-token logits for every
-    position, and HF BertForMaskedLM computes MLM logits for every position too). This is
-    nanoGPT's choice (all parameters minus position embeddings). Leaving the output projection
-    out, as Kaplan et al.'s "non-embedding N" does, would under-count GPT-2 124M by ~30%.
+    V x d, a real matmul on every position that reaches it. This is nanoGPT's choice (all
+    parameters minus position embeddings). Leaving the output projection out, as Kaplan et
+    al.'s "non-embedding N" does, would under-count GPT-2 124M by ~30%.
+
+    The output head (GPT-2's lm_head; BERT's MLM transform, decoder and its bias) counts with
+    `head_fraction`, the share of positions it runs on (see head_fraction(cfg)).
     """
     total = count_params(arch, n_layer, d_model, d_ff, vocab_size, max_position, tied_embeddings)
     lookups = max_position * d_model + (BERT_TOKEN_TYPES * d_model if arch == "bert" else 0)
     if not tied_embeddings:
         lookups += vocab_size * d_model  # the input table; the separate output projection stays
-    return total - lookups
+    head = vocab_size * d_model
+    if arch == "bert":
+        head += (d_model * d_model + d_model) + 2 * d_model + vocab_size
+    return total - lookups - (1 - head_fraction) * head
 
 
-def flops_per_token(n_params: int, n_layer: int, d_model: int, seq_len: int) -> float:
+def flops_per_token(n_params: float, n_layer: int, d_model: int, seq_len: int) -> float:
     """Training FLOPs per token: 6N + 12·L·H·Q·T (PaLM appendix B; nanoGPT's estimate_mfu).
 
     6N: forward 2N (a multiply and an add per parameter), backward 4N (gradients of inputs and
-    of weights). 12·L·H·Q·T: the attention scores QK^T and the weighted sum over values, 2·T·d
-    multiply-adds each per layer in the forward, x3 for forward + backward; H·Q = d_model.
-    Pass N = flops_params(...). Causal masking is not discounted (PaLM's convention).
+    of weights). 12·L·H·Q·T: per layer and token, the attention scores QK^T and the weighted
+    sum of the values are T·d multiply-adds (2·T·d FLOPs) each in the forward, x3 for forward
+    + backward; H·Q (heads x head size) = d_model. Pass N = flops_params(...). Causal masking
+    is not discounted (PaLM's convention).
     """
     return 6.0 * n_params + 12.0 * n_layer * d_model * seq_len
+
+
+def model_flops_per_token(cfg, vocab_size: Optional[int] = None) -> float:
+    """Training FLOPs per token of the model a Config describes; `vocab_size`: the tokenizer's
+    real size when known (default data.vocab_size)."""
+    dims = model_dims(cfg)
+    if vocab_size is not None:
+        dims["vocab_size"] = vocab_size
+    n = flops_params(**dims, head_fraction=head_fraction(cfg))
+    return flops_per_token(n, dims["n_layer"], dims["d_model"], cfg.data.seq_len)
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_tflops_total: float) -> float:
@@ -146,6 +169,8 @@ def find_gpu(name: str) -> Optional[GpuSpec]:
 def peak_tflops(gpu_name: str, precision: str) -> tuple[Optional[float], str]:
     """(dense peak TFLOP/s of one GPU at `precision`, which table entry gave it). The value is
     None on a CPU, an unknown GPU, or a precision the GPU has no figure for; the text says why."""
+    if precision not in ("bf16", "fp16", "fp32"):
+        raise ValueError(f"unknown precision {precision!r}")
     spec = find_gpu(gpu_name)
     if spec is None:
         return None, f"no peak-throughput entry for device {gpu_name!r}"

@@ -4,8 +4,10 @@ With `profile.enabled=true`, the ranks in `profile.ranks` record `wait` + `warmu
 steps on a schedule; the active steps are written as a Chrome/Perfetto trace per rank
 (OUT_DIR/profile/trace_rank{R}.json) with the named step phases as ranges, and the operator
 table of `key_averages()` is saved (and printed by rank 0). The Horovod timeline
-(OUT_DIR/profile/horovod_timeline.json) covers the same steps on all ranks.
+(OUT_DIR/profile/horovod_timeline.json) covers the same steps on all ranks, unless
+horovod.timeline already records the whole run.
 """
+import os
 from pathlib import Path
 
 import torch
@@ -38,10 +40,13 @@ class Profiler:
         if not self.cfg.enabled:
             return
         self.step_count += 1
-        if self.cfg.timeline:
+        if self.cfg.timeline and os.environ.get("HOROVOD_TIMELINE") == "DYNAMIC":
             self.toggle_timeline()
         if self.prof is not None:
             self.prof.step()
+            if self.step_count >= self.cfg.wait + self.cfg.warmup + self.cfg.active:
+                self.prof.stop()  # the trace is written; detach the profiler so later steps run at full speed
+                self.prof = None
 
     def toggle_timeline(self):
         """Horovod's timeline is global: every rank starts and stops it at the same steps."""

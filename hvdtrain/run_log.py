@@ -16,6 +16,7 @@ class RunLog:
         self.file = open(self.path, "a")
         self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
                         disable=not progress)
+        self.straggler = None  # the rank over the imbalance threshold in the previous interval
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -36,9 +37,13 @@ class RunLog:
                              tok_s=f"{record['tokens_per_s']:.0f}", comm=f"{record.get('comm_fraction', 0):.0%}",
                              refresh=False)
         self.bar.refresh()
-        if record.get("imbalance_warning"):
+        # Warn about a rank that is the slow one in two intervals in a row: one noisy interval
+        # (a shared machine, a GC pause) is not a straggler.
+        slow = record["slowest_rank"] if record.get("imbalance_warning") else None
+        if slow is not None and slow == self.straggler:
             self.message(f"warning: rank {record['slowest_rank']} is slow: its data+compute time is "
                          f"{record['imbalance']:.0%} above the fastest rank's (rank {record['fastest_rank']})")
+        self.straggler = slow
 
     def eval_record(self, record: dict):
         self.write(record)

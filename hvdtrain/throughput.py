@@ -8,8 +8,7 @@ class Throughput:
     def __init__(self, cfg, vocab_size: int, world, global_batch: int):
         self.world = world
         self.tokens_per_step = global_batch * cfg.data.seq_len
-        n_params = flops.flops_params(**{**flops.model_dims(cfg), "vocab_size": vocab_size})
-        self.flops_per_token = flops.flops_per_token(n_params, cfg.model.n_layer, cfg.model.d_model, cfg.data.seq_len)
+        self.flops_per_token = flops.model_flops_per_token(cfg, vocab_size)
         self.peak, self.peak_source = None, None
         if cfg.log.peak_tflops is not None:
             self.peak, self.peak_source = cfg.log.peak_tflops, "log.peak_tflops"

@@ -4,9 +4,10 @@ Every worker runs this same function (under horovodrun, or alone as a world of o
 Read top to bottom it is the whole recipe: init Horovod, build data and model, resume or
 start, broadcast from rank 0, then per optimizer step
     fetch grad_accum micro batches -> forward/backward each (allreduce starts in backward)
-    -> wait for the allreduce -> clip -> optimizer step
+    -> wait for the allreduce -> normalise by the step's target tokens -> clip -> optimizer step
 with logging, evaluation and checkpoints at their intervals.
 """
+import hashlib
 import math
 import random
 import time
@@ -102,6 +103,12 @@ def train(cfg: Config) -> torch.nn.Module:
     # ---- data: tokenized and cached once per host, then loaded by every rank
     with distributed.leader_first(world, "data"):
         data = build_data(cfg, t.seed)
+    # Hosts without a shared cache prepare their data separately: make sure they agree.
+    data_id = hashlib.sha256(repr((len(data.train), len(data.val), data.vocab.size, data.tokenizer and
+                                   data.tokenizer.backend_tokenizer.to_str())).encode()).hexdigest()
+    if len(set(distributed.allgather_object(data_id, name="data_id"))) > 1:
+        raise UserError("workers on different hosts built different data or tokenizers; point data.cache_dir "
+                        "at a shared folder or give data.tokenizer a pretrained tokenizer")
     if global_batch > len(data.train):
         raise UserError(f"the global batch ({global_batch} = train.micro_batch_size {t.micro_batch_size} x "
                         f"grad_accum {grad_accum} x {world.size} workers) is larger than the training set "
@@ -176,7 +183,8 @@ def train(cfg: Config) -> torch.nn.Module:
     timer = StepTimer(device, cfg.log.step_breakdown)
     throughput = Throughput(cfg, data.vocab.size, world, global_batch)
     profiler = Profiler(cfg.profile, cfg.out_dir, world, timer)
-    grad_scale = distributed.gradient_scale(cfg.horovod.op, world.size)
+    normalizer = distributed.TokenNormalizer(cfg.horovod.op, world.size,
+                                             t.micro_batch_size * grad_accum * cfg.data.seq_len)
     batches = iter(loader)
     step_losses, step_targets = [], []  # this log interval: local loss sums and global target counts
 
@@ -201,18 +209,16 @@ def train(cfg: Config) -> torch.nn.Module:
         for group in optimizer.param_groups:
             group["lr"] = lr
 
-        # 1. data: this rank's micro batches, and the target count of the whole global batch
+        # 1. data: this rank's micro batches; their target count is summed over ranks in the background
         with timer.phase("data"):
             if world.rank in t.slow_ranks:
                 time.sleep(t.slow_seconds)  # test aid: a straggling rank
             micro_batches = [next(batches) for _ in range(grad_accum)]
-            local_targets = sum(mb["num_targets"] for mb in micro_batches)
-            global_targets = max(1.0, distributed.allreduce_sum([local_targets], name="targets")[0])
+            normalizer.start(sum(mb["num_targets"] for mb in micro_batches))
             micro_batches = [{k: v.to(device, non_blocking=True) for k, v in mb.items() if torch.is_tensor(v)}
                              for mb in micro_batches]
 
-        # 2. forward/backward per micro batch; Horovod's hooks start the allreduce during the last backward.
-        #    Loss = sum of token losses / tokens in the whole step on all ranks (x world size for Average).
+        # 2. forward/backward per micro batch; Horovod's hooks start the allreduce during the last backward
         loss_sum = torch.zeros((), device=device)
         for mb in micro_batches:
             with timer.phase("forward"), autocast:
@@ -220,12 +226,13 @@ def train(cfg: Config) -> torch.nn.Module:
                 loss = torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX,
                                                          reduction="sum")
             with timer.phase("backward"):
-                scaler.scale(loss * (grad_scale / global_targets)).backward()
+                scaler.scale(loss * normalizer.loss_scale).backward()
             loss_sum += loss.detach()
 
-        # 3. wait for the gradient allreduce, then clip and step on the averaged gradients
+        # 3. wait for the gradient allreduce, normalise by the step's tokens, clip, step
         with timer.phase("allreduce"):
             optimizer.synchronize()
+            global_targets = normalizer.finish(model)
         with timer.phase("optimizer"):
             scaler.unscale_(optimizer)
             if t.grad_clip > 0:

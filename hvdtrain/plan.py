@@ -1,0 +1,466 @@
+"""`hvdtrain plan`: before renting GPUs, will this config fit one GPU, and how will it scale?
+
+    hvdtrain plan CONFIG [key=value ...] --gpus N [--gpu H100] [--net-gbps 100]
+                  [--step-time S | --measured RUN_DIR] [--target-global-batch B]
+
+Three estimates, each plain arithmetic on the config (no torch, no GPU):
+
+1. Memory per GPU. hvdtrain keeps fp32 parameters and runs bf16/fp16 under autocast, so every
+   parameter costs 4 B (weights) + 4 B (gradients) + 8 B (AdamW's or LAMB's two fp32 moments),
+   in every precision; under autocast add 2 B per matmul weight for the 16-bit copies autocast
+   makes and autograd keeps for backward. Activations follow Korthikanti et al. 2022 (below),
+   plus the logits, Horovod's fusion buffer and a fixed CUDA overhead. All terms are added as
+   if they peaked together, so the total is an upper bound: gradients actually fill up while
+   activations are freed during backward.
+2. Step time on N GPUs from a measured 1-worker step time and a ring-allreduce model
+   (`ring_allreduce_seconds`) overlapped with backward (`exposed_comm_seconds`).
+3. The micro batch and accumulation that keep a target global batch on N GPUs, or, when the
+   model does not fit even at micro batch 1 with activation checkpointing, how many pipeline
+   stages it would need (hvdtrain itself is data-parallel only).
+
+The model shape comes from the config (data.vocab_size, model.*); a `model.pretrained`
+checkpoint's own shape is not read.
+"""
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Optional
+
+from hvdtrain.config import load_config, resolve_batch
+from hvdtrain.errors import UserError
+from hvdtrain.flops import (count_params, find_gpu, flops_params, head_fraction, mfu, model_dims,
+                            model_flops_per_token, peak_tflops)
+
+GIB = 2 ** 30
+MIB = 2 ** 20
+
+# Share of a GPU's nominal memory the plan fills at most: the caching allocator's fragmentation
+# and the memory the driver keeps need the rest.
+USABLE_FRACTION = 0.9
+# CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers, outside PyTorch's tensors.
+CUDA_OVERHEAD_BYTES = 1 * GIB
+# Horovod 0.28's HOROVOD_FUSION_THRESHOLD default (horovod/common/operations.cc): one GPU buffer
+# of this size into which ready gradients are copied and allreduced together.
+HOROVOD_FUSION_DEFAULT_MIB = 128
+# Backward is two of the three matmul passes (gradients of inputs and of weights), so ~2/3 of
+# the compute; only during it can the allreduce of ready gradients run in the background.
+BACKWARD_FRACTION = 2 / 3
+# Per-hop latency of one ring step: NCCL over InfiniBand/NVLink is a few microseconds.
+DEFAULT_LATENCY_US = 5.0
+# Activation checkpointing runs each layer's forward again in backward: forward is 1/3 of the
+# compute, so the same work takes 4/3 as long.
+RECOMPUTE_FACTOR = 4 / 3
+# LayerNorm inputs and the checkpointed layer inputs are the residual stream, which stays fp32
+# in every precision: weights are fp32, and a 16-bit sublayer output added to it promotes to fp32.
+RESIDUAL_BYTES = 4
+
+
+# ---------------------------------------------------------------- memory
+
+def _activation_elem(cfg) -> int:
+    """Bytes of an activation value: 16-bit under autocast, else fp32."""
+    return 4 if cfg.train.precision == "fp32" else 2
+
+
+def layer_activation_bytes(seq_len: int, micro_batch: int, d_model: int, n_head: int, elem: int,
+                           sdpa: bool = True) -> int:
+    """Bytes one transformer layer keeps for backward.
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+    §4.1) count, for 16-bit activations and 1-byte dropout masks, s·b·h·(34 + 5·a·s/h):
+      attention   11·sbh: QKV input 2, Q and K 4, V 2, output-projection input 2, dropout mask 1;
+                  5·a·s²·b: softmax output 2, its dropout mask 1, dropout output 2
+      MLP         19·sbh: first linear input 2, GELU input 8, GELU output 8, dropout mask 1
+      LayerNorms   4·sbh: two inputs of 2
+    Written for an activation element of `elem` bytes (2 under autocast, 4 in fp32) and the
+    hvdtrain-specific sizes: LayerNorm inputs are the fp32 residual stream (RESIDUAL_BYTES), and
+    autocast runs softmax in fp32. That gives s·b·h·(14·elem + 2 + 2·4) + a·s²·b·(4 + 1 + elem):
+    for elem 2: sbh·(38 + 7·a·s/h); for fp32: sbh·(66 + 9·a·s/h), which is Korthikanti's own
+    formula with every 16-bit value made 32-bit.
+
+    With SDPA (the default attention of HF GPT-2 and BERT), the fused flash / memory-efficient
+    kernels on GPU never materialise the a·s² scores: the a·s²·b term goes; the kernel keeps its
+    output (elem·sbh) and a per-row fp32 logsumexp (4·a·s·b, left out as small) instead, and
+    regenerates its dropout mask from the RNG state.
+
+    tests/test_plan.py checks the count against the tensors HF GPT-2 and BERT layers keep.
+    It assumes a fused GELU: BERT's "gelu", and for GPT-2 `activation_function=
+    "gelu_pytorch_tanh"`. HF GPT-2's default "gelu_new" is separate elementwise ops whose
+    intermediates are kept too: three more 4h-wide fp32 tensors, 48·sbh more bytes per layer.
+    """
+    sbh = seq_len * micro_batch * d_model
+    per_layer = sbh * (14 * elem + 2 + 2 * RESIDUAL_BYTES)
+    if sdpa:
+        return per_layer + sbh * elem
+    return per_layer + n_head * seq_len * seq_len * micro_batch * (4 + 1 + elem)
+
+
+def activation_bytes(cfg, micro_batch: int, checkpointing: bool, sdpa: bool = True) -> int:
+    """All layers' activations. With checkpointing only each layer's fp32 input is kept
+    (RESIDUAL_BYTES·sbh per layer) and one layer's activations exist at a time, rebuilt during
+    its backward. The embedding dropout mask and the final LayerNorm / MLM-head transform
+    (a few sbh outside the layers) are left out."""
+    s, b, h = cfg.data.seq_len, micro_batch, cfg.model.d_model
+    one_layer = layer_activation_bytes(s, b, h, cfg.model.n_head, _activation_elem(cfg), sdpa)
+    if checkpointing:
+        return cfg.model.n_layer * RESIDUAL_BYTES * s * b * h + one_layer
+    return cfg.model.n_layer * one_layer
+
+
+def logits_bytes(cfg, micro_batch: int) -> int:
+    """The logits and the loss around them, at their peak when backward starts, per position
+    that reaches the vocabulary (all for GPT-2, the masked ones for BERT: head_fraction) and per
+    vocabulary entry: the logits in the activation precision (the training loop still holds
+    them), the fp32 log-softmax that cross-entropy keeps for backward (4 B; the loop upcasts the
+    logits to fp32 for the loss), and the two fp32 gradients of that size that the loss's
+    backward holds together (8 B)."""
+    positions = micro_batch * cfg.data.seq_len * head_fraction(cfg)
+    return int(positions * cfg.data.vocab_size * (_activation_elem(cfg) + 4 + 8))
+
+
+def memory_bytes(cfg, micro_batch: int, checkpointing: bool, sdpa: bool = True) -> dict:
+    """Bytes per GPU by component, and their "total"."""
+    dims = model_dims(cfg)
+    n_params = count_params(**dims)
+    parts = {
+        "parameters (fp32)": 4 * n_params,
+        "gradients (fp32)": 4 * n_params,
+        f"optimizer state ({cfg.train.optimizer}, 2 fp32 moments)": 8 * n_params,
+    }
+    if cfg.train.precision != "fp32":
+        # Autocast casts each matmul weight once per forward; the 16-bit copy stays referenced by
+        # the autograd graph until backward. Those weights are the 6N parameters (flops_params).
+        parts["autocast 16-bit weight copies"] = 2 * int(flops_params(**dims))
+    if cfg.horovod.compression == "fp16":
+        # Horovod allreduces an fp16 copy of each gradient, made when the gradient is ready.
+        parts["fp16-compressed gradients"] = 2 * n_params
+    parts.update({
+        "activations": activation_bytes(cfg, micro_batch, checkpointing, sdpa),
+        "logits and loss": logits_bytes(cfg, micro_batch),
+        "Horovod fusion buffer": fusion_buffer_bytes(cfg),
+        "CUDA context and workspaces": CUDA_OVERHEAD_BYTES,
+    })
+    return {"parts": parts, "total": sum(parts.values())}
+
+
+def fusion_buffer_bytes(cfg) -> int:
+    """Horovod's tensor-fusion buffer: horovod.fusion_threshold_mb (MiB), or Horovod's default."""
+    mib = cfg.horovod.fusion_threshold_mb
+    return int((HOROVOD_FUSION_DEFAULT_MIB if mib is None else mib) * MIB)
+
+
+def pipeline_stages(total_bytes: int, fixed_bytes: int, budget_bytes: int) -> int:
+    """Pipeline stages needed to split `total_bytes` so that each stage, carrying its own fixed
+    overhead, stays within `budget_bytes`. A lower bound: pipeline schedules also keep the
+    activations of several micro batches in flight."""
+    return math.ceil((total_bytes - fixed_bytes) / (budget_bytes - fixed_bytes))
+
+
+# ---------------------------------------------------------------- communication and step time
+
+def gradient_bytes(n_params: int, compression: str) -> int:
+    """Bytes each worker allreduces per optimizer step: fp32 gradients, or fp16 when Horovod's
+    fp16 compression casts them before the allreduce."""
+    return n_params * (2 if compression == "fp16" else 4)
+
+
+def ring_allreduce_seconds(nbytes: float, workers: int, net_gbps: float, latency_s: float,
+                           n_allreduces: int = 1) -> float:
+    """Ring allreduce (Patarasuk & Yuan 2009; the NCCL / Horovod algorithm): each worker sends
+    and receives 2(N-1)/N of the data over its link (reduce-scatter, then all-gather), in
+    2(N-1) steps that each pay the link latency. Horovod runs one allreduce per fusion buffer,
+    so the latency is paid n_allreduces times. net_gbps is the slowest link of the ring in
+    Gbit/s (for GPUs joined by NVLink inside one node, its bandwidth). One worker: no traffic."""
+    if workers == 1:
+        return 0.0
+    bandwidth = net_gbps * 1e9 / 8  # bytes/s
+    return 2 * (workers - 1) / workers * nbytes / bandwidth + n_allreduces * 2 * (workers - 1) * latency_s
+
+
+def exposed_comm_seconds(comm_s: float, tail_s: float, micro_compute_s: float) -> float:
+    """Allreduce time that is not hidden behind computation.
+
+    Horovod starts allreducing gradients from backward hooks as soon as they are ready, so the
+    allreduce can overlap the backward of the last micro batch (BACKWARD_FRACTION of its
+    compute; with gradient accumulation the earlier micro batches do not allreduce). Whatever
+    does not fit in that window is exposed. The gradients ready last, the token and position
+    embeddings (the token embedding, also the output projection when tied, is the largest
+    tensor), complete only when backward ends, so their own allreduce time `tail_s` is exposed
+    in any case.
+    """
+    return max(comm_s - BACKWARD_FRACTION * micro_compute_s, tail_s)
+
+
+def read_step_time(run_dir: str) -> float:
+    """Median seconds per optimizer step of the 1-worker lines of a run's metrics.jsonl
+    (`world_size` 1, `time_step`). The median ignores the slow first steps (warm-up,
+    compilation). `run_dir` may also be the metrics file itself."""
+    path = Path(run_dir)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"--measured: no metrics file '{path}'")
+    times = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise UserError(f"--measured: '{path}' line {number} is not JSON") from None
+        if isinstance(record, dict) and record.get("world_size") == 1 and record.get("time_step") is not None:
+            times.append(float(record["time_step"]))
+    if not times:
+        raise UserError(f"--measured: '{path}' has no lines with world_size 1 and time_step; "
+                        "measure a 1-worker run or pass --step-time")
+    return statistics.median(times)
+
+
+def _parameter_tensors(arch: str, n_layer: int) -> int:
+    """How many parameter tensors the model has: the allreduce count with tensor fusion off.
+    Weight and bias of each of a layer's 6 modules in GPT-2 (ln_1, fused QKV c_attn, c_proj,
+    ln_2, c_fc, mlp c_proj) and 8 in BERT (query, key, value, output dense, 2 LayerNorms,
+    2 MLP linears)."""
+    if arch == "gpt2":
+        return 12 * n_layer + 4  # wte, wpe, ln_f weight and bias
+    return 16 * n_layer + 10  # 3 embeddings + LayerNorm (2); head bias, dense (2), LayerNorm (2)
+
+
+def step_comm(cfg, workers: int, net_gbps: float, latency_s: float) -> dict:
+    """The gradient allreduce of one optimizer step on `workers`: its bytes, how many fused
+    allreduces carry them, their seconds, and the seconds of the part that is ready last."""
+    dims = model_dims(cfg)
+    compression = cfg.horovod.compression
+    grad_bytes = gradient_bytes(count_params(**dims), compression)
+    fusion_bytes = fusion_buffer_bytes(cfg)
+    n_allreduces = (math.ceil(grad_bytes / fusion_bytes) if fusion_bytes > 0
+                    else _parameter_tensors(dims["arch"], dims["n_layer"]))
+    # The token and position embeddings' gradients are complete only when backward ends.
+    tail_bytes = gradient_bytes((dims["vocab_size"] + dims["max_position"]) * dims["d_model"], compression)
+    return {"gradient_bytes": grad_bytes, "compression": compression, "allreduces": n_allreduces,
+            "workers": workers, "net_gbps": net_gbps, "latency_s": latency_s,
+            "seconds": ring_allreduce_seconds(grad_bytes, workers, net_gbps, latency_s, n_allreduces),
+            "tail_seconds": ring_allreduce_seconds(tail_bytes, workers, net_gbps, latency_s)}
+
+
+def predict_step(comm: dict, micro_compute_s: float, grad_accum: int) -> dict:
+    """Seconds of one optimizer step: `grad_accum` micro batches of compute plus the allreduce
+    time that backward does not hide; efficiency = compute / step (1.0 without communication,
+    and for a fixed per-worker batch equal to step(1) / step(N))."""
+    exposed = exposed_comm_seconds(comm["seconds"], comm["tail_seconds"], micro_compute_s)
+    compute = micro_compute_s * grad_accum
+    return {"comm_s": comm["seconds"], "exposed_s": exposed, "compute_s": compute,
+            "step_s": compute + exposed, "efficiency": compute / (compute + exposed)}
+
+
+# ---------------------------------------------------------------- the plan
+
+def plan(cfg, gpus: int, gpu: str = "H100", net_gbps: float = 100.0, step_time: Optional[float] = None,
+         target_global_batch: Optional[int] = None, latency_us: float = DEFAULT_LATENCY_US,
+         gpu_memory_gib: Optional[float] = None, sdpa: bool = True) -> dict:
+    """Every number of the plan, in a dict (bytes, seconds, FLOPs). `step_time`: measured seconds
+    per optimizer step of this config on one worker. `target_global_batch`: defaults to
+    train.global_batch_size. `gpu_memory_gib` overrides the memory of the `gpu` table entry
+    (and allows GPUs the table lacks)."""
+    _check(gpus >= 1, "--gpus", "an integer >= 1", gpus)
+    _check(net_gbps > 0, "--net-gbps", "a number > 0", net_gbps)
+    _check(latency_us >= 0, "--latency-us", "a number >= 0", latency_us)
+    _check(step_time is None or step_time > 0, "--step-time", "a number > 0", step_time)
+    _check(gpu_memory_gib is None or gpu_memory_gib > 0, "--gpu-memory", "a number > 0", gpu_memory_gib)
+    _check(target_global_batch is None or target_global_batch >= 1, "--target-global-batch",
+           "an integer >= 1", target_global_batch)
+    spec = find_gpu(gpu)
+    if spec is None and gpu_memory_gib is None:
+        raise UserError(f"--gpu: unknown GPU '{gpu}'; pass its memory with --gpu-memory GIB")
+    memory_gib = gpu_memory_gib if gpu_memory_gib is not None else spec.memory_gib
+    peak, peak_source = peak_tflops(gpu, cfg.train.precision)
+
+    dims = model_dims(cfg)
+    model = {**dims, "n_head": cfg.model.n_head, "seq_len": cfg.data.seq_len, "params": count_params(**dims),
+             "flops_params": flops_params(**dims, head_fraction=head_fraction(cfg)),
+             "flops_per_token": model_flops_per_token(cfg)}
+    memory = _memory_plan(cfg, spec.name if spec else gpu, memory_gib, sdpa)
+    comm = step_comm(cfg, gpus, net_gbps, latency_us * 1e-6)
+
+    def with_throughput(row: dict, workers: int, samples_per_worker: int) -> dict:
+        row["tokens_per_s"] = workers * samples_per_worker * cfg.data.seq_len / row["step_s"]
+        row["mfu"] = mfu(row["tokens_per_s"], model["flops_per_token"], peak * workers) if peak else None
+        return row
+
+    # Weak scaling: the measured 1-worker batch (micro x accum) kept on every worker.
+    scaling = None
+    micro = cfg.train.micro_batch_size
+    if step_time is not None:
+        accum_1 = resolve_batch(cfg, 1)[0]  # the measured run's accumulation
+        rows = []
+        for n in sorted({2 ** k for k in range(gpus.bit_length())} | {gpus}):
+            row = predict_step(step_comm(cfg, n, net_gbps, latency_us * 1e-6), step_time / accum_1, accum_1)
+            rows.append(with_throughput({"gpus": n, **row}, n, micro * accum_1))
+        scaling = {"step_time_1": step_time, "micro_batch": micro, "grad_accum": accum_1, "rows": rows}
+
+    # A fixed global batch on `gpus` workers: the largest micro batch that fits.
+    target = None
+    global_batch = target_global_batch if target_global_batch is not None else cfg.train.global_batch_size
+    if global_batch is not None:
+        target = {"global_batch": global_batch, "gpus": gpus}
+        per_gpu, remainder = divmod(global_batch, gpus)
+        choice = None if remainder else _largest_micro_batch(cfg, per_gpu, memory["budget"], sdpa)
+        if remainder:
+            target["error"] = f"global batch {global_batch} is not a multiple of {gpus} GPUs"
+        elif choice is None:
+            target["error"] = "does not fit at micro batch 1 even with activation checkpointing"
+        else:
+            m, ckpt, total = choice
+            target.update(micro_batch=m, grad_accum=per_gpu // m, checkpointing=ckpt, total=total)
+            if step_time is not None:
+                # Compute scales with the samples per micro batch (optimistic for small micro
+                # batches, which use the GPU less well) and with recomputation.
+                per_sample_s = step_time / (micro * accum_1)
+                if ckpt != cfg.model.activation_checkpointing:
+                    per_sample_s *= RECOMPUTE_FACTOR if ckpt else 1 / RECOMPUTE_FACTOR
+                target.update(with_throughput(predict_step(comm, per_sample_s * m, per_gpu // m), gpus, per_gpu))
+
+    return {"model": model, "precision": cfg.train.precision, "optimizer": cfg.train.optimizer,
+            "peak_tflops": peak, "peak_source": peak_source, "memory": memory, "comm": comm,
+            "gpus": gpus, "scaling": scaling, "target": target}
+
+
+def _memory_plan(cfg, gpu_name: str, memory_gib: float, sdpa: bool) -> dict:
+    """Memory at the configured micro batch: the breakdown with checkpointing as configured,
+    the totals both ways, and at micro batch 1 with checkpointing, the least this config needs."""
+    budget = USABLE_FRACTION * memory_gib * GIB
+    micro, checkpointing = cfg.train.micro_batch_size, cfg.model.activation_checkpointing
+    configured = memory_bytes(cfg, micro, checkpointing, sdpa)
+    parts = configured["parts"]
+    fixed = parts["Horovod fusion buffer"] + parts["CUDA context and workspaces"]
+    if budget <= fixed:
+        raise UserError(f"--gpu-memory: {memory_gib:g} GiB leaves no room beyond the fixed "
+                        f"{fixed / GIB:.2f} GiB overhead")
+    smallest = memory_bytes(cfg, 1, True, sdpa)["total"]
+    return {"gpu": gpu_name, "gpu_memory_gib": memory_gib, "budget": budget, "micro_batch": micro,
+            "checkpointing": checkpointing, "sdpa": sdpa, "parts": parts, "total": configured["total"],
+            "fits": configured["total"] <= budget,
+            "total_without_checkpointing": memory_bytes(cfg, micro, False, sdpa)["total"],
+            "total_with_checkpointing": memory_bytes(cfg, micro, True, sdpa)["total"],
+            "smallest_total": smallest,
+            "pipeline_stages": pipeline_stages(smallest, fixed, budget) if smallest > budget else None}
+
+
+def _largest_micro_batch(cfg, per_gpu: int, budget: float, sdpa: bool) -> Optional[tuple[int, bool, int]]:
+    """(micro batch, checkpointing, total bytes): the largest divisor of `per_gpu` that fits,
+    without activation checkpointing if any does (no recomputation), else with it."""
+    for ckpt in (False, True):
+        for m in sorted((d for d in range(1, per_gpu + 1) if per_gpu % d == 0), reverse=True):
+            total = memory_bytes(cfg, m, ckpt, sdpa)["total"]
+            if total <= budget:
+                return m, ckpt, total
+    return None
+
+
+def _check(ok: bool, name: str, expected: str, value):
+    if not ok:
+        raise UserError(f"{name}: expected {expected}, got {value!r}")
+
+
+# ---------------------------------------------------------------- output
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB"
+
+
+def format_plan(p: dict) -> str:
+    """The plan as a plain-text report."""
+    m, mem, comm = p["model"], p["memory"], p["comm"]
+    ckpt_word = "on" if mem["checkpointing"] else "off"
+    lines = [
+        f"Model: {m['arch']}, {m['n_layer']} layers, d_model {m['d_model']}, {m['n_head']} heads, "
+        f"d_ff {m['d_ff']}, vocab {m['vocab_size']}, seq_len {m['seq_len']}",
+        f"  parameters        {m['params']:,} ({m['flops_params']:,.0f} in matmuls per token, the N of 6N)",
+        f"  training FLOPs    {m['flops_per_token'] / 1e9:.3f} GFLOP/token (6N + 12·L·d·T)",
+        "",
+        f"Memory per GPU: {mem['gpu']} {mem['gpu_memory_gib']:g} GiB, plan within {_gib(mem['budget'])} "
+        f"({USABLE_FRACTION:.0%}); {p['precision']}, {p['optimizer']}, micro batch {mem['micro_batch']}, "
+        f"activation checkpointing {ckpt_word}, {'SDPA' if mem['sdpa'] else 'eager'} attention",
+    ]
+    lines += [f"  {name:<46} {_gib(value):>12}" for name, value in mem["parts"].items()]
+    verdict = "fits" if mem["fits"] else "DOES NOT FIT"
+    lines.append(f"  {'total':<46} {_gib(mem['total']):>12}  {verdict}")
+    lines.append(f"  (checkpointing off: {_gib(mem['total_without_checkpointing'])}, "
+                 f"on: {_gib(mem['total_with_checkpointing'])})")
+    if mem["pipeline_stages"]:
+        lines.append(f"  Even micro batch 1 with activation checkpointing needs {_gib(mem['smallest_total'])}: "
+                     f"this model needs at least {mem['pipeline_stages']} pipeline stages (model parallelism, "
+                     f"which hvdtrain does not provide) or a GPU with more memory.")
+
+    grad_dtype = "fp16" if comm["compression"] == "fp16" else "fp32"
+    lines += ["", f"Gradient allreduce per optimizer step: {comm['gradient_bytes'] / 1e6:,.1f} MB "
+              f"({grad_dtype}) in {comm['allreduces']} fused allreduce(s), ring over {comm['net_gbps']:g} Gbit/s, "
+              f"{comm['latency_s'] * 1e6:g} µs per hop: {comm['seconds'] * 1e3:.1f} ms on {p['gpus']} GPUs"]
+
+    peak = f"{p['peak_tflops']:g} TFLOP/s ({p['peak_source']})" if p["peak_tflops"] else p["peak_source"]
+    s = p["scaling"]
+    if s is None:
+        lines.append("  Step time and scaling: pass --step-time SECONDS or --measured RUN_DIR (a 1-worker run).")
+    else:
+        lines += ["", f"Scaling with micro batch {s['micro_batch']} x grad_accum {s['grad_accum']} "
+                  f"on every worker (1-worker step {s['step_time_1']:.3f} s); MFU against {peak}",
+                  f"  {'GPUs':>5} {'step s':>9} {'allreduce s':>12} {'exposed s':>10} {'efficiency':>11} "
+                  f"{'tokens/s':>12} {'MFU':>6}"]
+        for r in s["rows"]:
+            mfu_text = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
+            lines.append(f"  {r['gpus']:>5} {r['step_s']:>9.3f} {r['comm_s']:>12.4f} {r['exposed_s']:>10.4f} "
+                         f"{r['efficiency']:>11.1%} {r['tokens_per_s']:>12,.0f} {mfu_text:>6}")
+        if s["rows"][0]["mfu"] is not None and s["rows"][0]["mfu"] > 1:
+            lines.append("  warning: this step time means more than the GPU's peak throughput; was it measured "
+                         f"for micro batch {s['micro_batch']} x grad_accum {s['grad_accum']} of this model?")
+
+    t = p["target"]
+    if t is not None:
+        lines += ["", f"Global batch {t['global_batch']} on {t['gpus']} GPUs:"]
+        if "error" in t:
+            lines.append(f"  {t['error']}")
+        else:
+            lines.append(f"  micro batch {t['micro_batch']} x grad_accum {t['grad_accum']} x {t['gpus']} GPUs, "
+                         f"activation checkpointing {'on' if t['checkpointing'] else 'off'}: "
+                         f"{_gib(t['total'])} per GPU")
+            if "step_s" in t:
+                lines.append(f"  predicted step {t['step_s']:.3f} s, efficiency {t['efficiency']:.1%}, "
+                             f"{t['tokens_per_s']:,.0f} tokens/s")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- command line
+
+def add_cli(subparsers):
+    """Register `hvdtrain plan` on the CLI's subparsers."""
+    p = subparsers.add_parser("plan", help="estimate memory per GPU, step time and scaling for a config",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("config", help="YAML config file")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides, as for train")
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs (Horovod workers)")
+    p.add_argument("--gpu", default="H100", help="GPU model, e.g. H100, H200, A100-40GB, L4 (default H100)")
+    p.add_argument("--gpu-memory", type=float, metavar="GIB", help="GPU memory in GiB (for GPUs the table lacks)")
+    p.add_argument("--net-gbps", type=float, default=100.0,
+                   help="bandwidth of the slowest link in the ring, Gbit/s (default 100)")
+    p.add_argument("--latency-us", type=float, default=DEFAULT_LATENCY_US,
+                   help=f"latency per ring step, microseconds (default {DEFAULT_LATENCY_US:g})")
+    timing = p.add_mutually_exclusive_group()
+    timing.add_argument("--step-time", type=float, metavar="S", help="measured seconds per step on 1 worker")
+    timing.add_argument("--measured", metavar="RUN_DIR",
+                        help="1-worker run folder whose metrics.jsonl gives the step time")
+    p.add_argument("--target-global-batch", type=int, metavar="B",
+                   help="global batch to keep on --gpus (default train.global_batch_size)")
+    p.add_argument("--eager-attention", action="store_true",
+                   help="the model materialises attention scores (no SDPA / flash attention)")
+    p.set_defaults(func=run_plan)
+
+
+def run_plan(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    step_time = read_step_time(args.measured) if args.measured else args.step_time
+    result = plan(cfg, args.gpus, gpu=args.gpu, net_gbps=args.net_gbps, step_time=step_time,
+                  target_global_batch=args.target_global_batch, latency_us=args.latency_us,
+                  gpu_memory_gib=args.gpu_memory, sdpa=not args.eager_attention)
+    print(format_plan(result))
+    return 0

@@ -1,0 +1,126 @@
+"""hvdtrain.flops: parameter counts against hand arithmetic and against transformers' own
+models, the 6N + 12·L·d·T formula, the GPU peak table's name matching, and MFU."""
+import pytest
+
+from hvdtrain.config import config_from_dict
+from hvdtrain.flops import count_params, flops_params, flops_per_token, mfu, model_flops_per_token, peak_tflops
+
+GPT2_124M = dict(arch="gpt2", n_layer=12, d_model=768, d_ff=3072, vocab_size=50257, max_position=1024)
+BERT_LARGE = dict(arch="bert", n_layer=24, d_model=1024, d_ff=4096, vocab_size=30522, max_position=512)
+
+
+def test_gpt2_124m_by_hand():
+    # wte 50257·768 = 38,597,376; wpe 1024·768 = 786,432; ln_f 1,536;
+    # per layer 4·768² + 2·768·3072 + 9·768 + 3072 = 7,087,872, x12 = 85,054,464
+    assert count_params(**GPT2_124M) == 38_597_376 + 786_432 + 1_536 + 85_054_464 == 124_439_808
+    # 6N leaves out the position table only: the tied wte is the lm_head matmul
+    assert flops_params(**GPT2_124M) == 124_439_808 - 786_432 == 123_653_376
+
+
+def test_bert_large_by_hand():
+    # embeddings 30522·1024 + 512·1024 + 2·1024 + LayerNorm 2·1024 = 31,782,912
+    # per layer 4·1024² + 2·1024·4096 + 9·1024 + 4096 = 12,596,224, x24 = 302,309,376
+    # MLM head: dense 1024² + 1024, LayerNorm 2048, decoder bias 30522 = 1,082,170
+    assert count_params(**BERT_LARGE) == 31_782_912 + 302_309_376 + 1_082_170 == 335_174_458
+    assert flops_params(**BERT_LARGE) == 335_174_458 - 512 * 1024 - 2 * 1024
+
+
+def test_untied_output_projection_is_counted_once_in_6n():
+    untied = count_params(**GPT2_124M, tied_embeddings=False)
+    assert untied == 124_439_808 + 50257 * 768
+    # the input table becomes a lookup, the separate lm_head is the matmul: N is unchanged
+    assert flops_params(**GPT2_124M, tied_embeddings=False) == 123_653_376
+
+
+def test_bert_head_counts_only_for_masked_positions():
+    # hvdtrain sends only the masked positions through BERT's MLM head:
+    # head = decoder 30522·1024 + its bias 30522 + transform dense 1024² + 1024 + LayerNorm 2048 = 32,336,698
+    full = 335_174_458 - 512 * 1024 - 2 * 1024  # 334,648,122
+    assert flops_params(**BERT_LARGE, head_fraction=0.15) == pytest.approx(full - 0.85 * 32_336_698)
+    cfg = config_from_dict({"model": {"arch": "bert", "n_layer": 24, "n_head": 16, "d_model": 1024},
+                            "data": {"seq_len": 512, "vocab_size": 30522, "mlm_probability": 0.15}})
+    # 6 · 307,161,928.7 + 12 · 24 · 1024 · 512
+    assert model_flops_per_token(cfg) == pytest.approx(6 * (full - 0.85 * 32_336_698) + 150_994_944)
+
+
+def test_model_flops_per_token_gpt2_from_config():
+    cfg = config_from_dict({"model": {"arch": "gpt2", "n_layer": 12, "n_head": 12, "d_model": 768},
+                            "data": {"seq_len": 1024, "vocab_size": 4096}})
+    assert model_flops_per_token(cfg, vocab_size=50257) == 855_166_464  # the tokenizer's size wins
+    assert model_flops_per_token(cfg) == 855_166_464 - 6 * (50257 - 4096) * 768
+
+
+def _hf_model(arch, n_layer, d_model, d_ff, vocab_size, max_position, tied):
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    if arch == "gpt2":
+        config = transformers.GPT2Config(n_layer=n_layer, n_embd=d_model, n_head=2, n_inner=d_ff,
+                                         vocab_size=vocab_size, n_positions=max_position,
+                                         tie_word_embeddings=tied)
+        cls = transformers.GPT2LMHeadModel
+    else:
+        config = transformers.BertConfig(num_hidden_layers=n_layer, hidden_size=d_model, num_attention_heads=2,
+                                         intermediate_size=d_ff, vocab_size=vocab_size,
+                                         max_position_embeddings=max_position, tie_word_embeddings=tied)
+        cls = transformers.BertForMaskedLM
+    with torch.device("meta"):  # shapes only: full-size models cost no memory or time
+        return cls(config)
+
+
+@pytest.mark.parametrize("dims, tied", [
+    (dict(arch="gpt2", n_layer=2, d_model=64, d_ff=256, vocab_size=100, max_position=32), True),
+    (dict(arch="gpt2", n_layer=3, d_model=96, d_ff=200, vocab_size=257, max_position=64), False),
+    (dict(arch="gpt2", n_layer=1, d_model=32, d_ff=128, vocab_size=4096, max_position=128), True),
+    (GPT2_124M, True),
+    (dict(arch="bert", n_layer=2, d_model=64, d_ff=256, vocab_size=100, max_position=32), True),
+    (dict(arch="bert", n_layer=3, d_model=96, d_ff=200, vocab_size=257, max_position=64), False),
+    (dict(arch="bert", n_layer=1, d_model=32, d_ff=128, vocab_size=4096, max_position=128), True),
+    (BERT_LARGE, True),
+])
+def test_count_matches_transformers(dims, tied):
+    model = _hf_model(**dims, tied=tied)
+    assert count_params(**dims, tied_embeddings=tied) == sum(p.numel() for p in model.parameters())
+
+
+def test_flops_per_token_gpt2_124m():
+    # 6 · 123,653,376 + 12 · 12 · 768 · 1024 = 741,920,256 + 113,246,208
+    assert flops_per_token(123_653_376, 12, 768, 1024) == 855_166_464
+
+
+@pytest.mark.parametrize("name, precision, value, entry", [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989, "H100 SXM"),
+    ("NVIDIA H100 PCIe", "bf16", 756, "H100 PCIe"),
+    ("NVIDIA H100 NVL", "fp16", 835, "H100 NVL"),
+    ("NVIDIA H200", "bf16", 989, "H200"),
+    ("NVIDIA A100-SXM4-80GB", "bf16", 312, "A100 80GB"),
+    ("NVIDIA A100-SXM4-40GB", "fp16", 312, "A100 40GB"),
+    ("NVIDIA A100 80GB PCIe", "fp32", 19.5, "A100 80GB"),
+    ("NVIDIA H100 80GB HBM3", "fp32", 67, "H100 SXM"),
+    ("NVIDIA A10", "bf16", 125, "A10"),
+    ("NVIDIA L4", "bf16", 121, "L4"),
+    ("NVIDIA L40S", "bf16", 362, "L40S"),
+    ("NVIDIA GeForce RTX 4090", "bf16", 165.2, "RTX 4090"),
+    ("Tesla V100-SXM2-32GB", "fp16", 125, "V100 32GB"),
+    ("NVIDIA B200", "bf16", 2250, "B200"),
+    ("h100", "bf16", 989, "H100 SXM"),
+])
+def test_peak_tflops_matches_device_names(name, precision, value, entry):
+    peak, source = peak_tflops(name, precision)
+    assert peak == value
+    assert source.startswith(entry + " ")
+
+
+@pytest.mark.parametrize("name, precision", [
+    ("cpu", "bf16"),
+    ("NVIDIA A10G", "bf16"),  # no \b after A10: not the A10
+    ("Tesla V100-SXM2-16GB", "bf16"),  # Volta has no bf16 tensor cores
+])
+def test_peak_tflops_unknown_is_none(name, precision):
+    peak, source = peak_tflops(name, precision)
+    assert peak is None and source
+
+
+def test_mfu():
+    # 8 GPUs of 989 TFLOP/s, 855,166,464 FLOPs/token at 4M tokens/s: 3.42e15 / 7.912e15
+    assert mfu(4e6, 855_166_464, 8 * 989) == pytest.approx(4e6 * 855_166_464 / 7.912e15)
+    assert mfu(4e6, 855_166_464, 8 * 989) == pytest.approx(0.43234, abs=1e-5)

@@ -1,0 +1,332 @@
+"""hvdtrain.plan: memory, ring-allreduce and batch arithmetic checked against numbers worked
+out by hand in the comments, the metrics.jsonl reader, and the `plan` subcommand."""
+import argparse
+import json
+import math
+
+import pytest
+
+from hvdtrain import plan as planmod
+from hvdtrain.config import config_from_dict
+from hvdtrain.errors import UserError
+from hvdtrain.plan import (activation_bytes, exposed_comm_seconds, layer_activation_bytes, logits_bytes,
+                           memory_bytes, plan, read_step_time, ring_allreduce_seconds)
+
+GIB = 2 ** 30
+N_124M = 124_439_808
+FIXED = GIB + 128 * 2 ** 20  # CUDA overhead + Horovod's default 128 MiB fusion buffer
+SBH_B1 = 1024 * 768  # s·h of GPT-2 124M at seq_len 1024: s·b·h = 786,432 per sample
+
+
+def gpt2_124m(**train):
+    return config_from_dict({
+        "model": {"arch": "gpt2", "n_layer": 12, "n_head": 12, "d_model": 768},
+        "data": {"seq_len": 1024, "vocab_size": 50257},
+        "train": {"micro_batch_size": 8, **train},
+    })
+
+
+# ---------------------------------------------------------------- memory
+
+def test_gpt2_124m_fp32_state():
+    parts = memory_bytes(gpt2_124m(precision="fp32"), 8, False)["parts"]
+    assert parts["parameters (fp32)"] == parts["gradients (fp32)"] == 4 * N_124M == 497_759_232
+    assert parts["optimizer state (adamw, 2 fp32 moments)"] == 8 * N_124M == 995_518_464
+    assert "autocast 16-bit weight copies" not in parts
+
+
+def test_gpt2_124m_bf16_state():
+    parts = memory_bytes(gpt2_124m(precision="bf16"), 8, False)["parts"]
+    # fp32 params, grads and moments in every precision: 16 B/param
+    state = parts["parameters (fp32)"] + parts["gradients (fp32)"] + parts["optimizer state (adamw, 2 fp32 moments)"]
+    assert state == 16 * N_124M
+    # 2 B for each matmul weight's bf16 copy: the 123,653,376 parameters of 6N
+    assert parts["autocast 16-bit weight copies"] == 2 * 123_653_376
+
+
+def test_korthikanti_formula_for_16_bit_everything():
+    # With 16-bit LayerNorm inputs and softmax the generalised count is Korthikanti's own
+    # sbh·(34 + 5as/h); hvdtrain's fp32 residual and softmax add 4·sbh and 2·as²b.
+    s, b, h, a = 1024, 8, 768, 12
+    sbh, as2b = s * b * h, a * s * s * b
+    assert layer_activation_bytes(s, b, h, a, 2, sdpa=False) == (34 + 4) * sbh + (5 + 2) * as2b
+    # fp32: every 2-byte value doubled, the 1-byte masks (2·sbh + as²b) not
+    assert layer_activation_bytes(s, b, h, a, 4, sdpa=False) == 66 * sbh + 9 * as2b
+    # SDPA: no a·s² scores; the kernel keeps its output (2·sbh)
+    assert layer_activation_bytes(s, b, h, a, 2, sdpa=True) == 40 * sbh
+
+
+def test_activations_with_and_without_checkpointing():
+    cfg = gpt2_124m(precision="bf16")
+    sbh = 8 * SBH_B1  # 6,291,456
+    assert activation_bytes(cfg, 8, checkpointing=False) == 12 * 40 * sbh == 3_019_898_880
+    # checkpointing: 12 fp32 layer inputs + one layer's activations during its recompute
+    assert activation_bytes(cfg, 8, checkpointing=True) == 12 * 4 * sbh + 40 * sbh == 553_648_128
+    assert activation_bytes(cfg, 8, checkpointing=False, sdpa=False) == \
+        12 * (38 * sbh + 7 * 12 * 1024 * 1024 * 8) == 11_324_620_800
+
+
+def test_logits():
+    # b·s·V·(2 bf16 logits + 4 fp32 log-softmax + 8 two fp32 gradients at the loss backward)
+    assert logits_bytes(gpt2_124m(precision="bf16"), 8) == 8 * 1024 * 50257 * 14 == 5_763_874_816
+    assert logits_bytes(gpt2_124m(precision="fp32"), 8) == 8 * 1024 * 50257 * 16
+
+
+def test_bert_logits_only_for_masked_positions():
+    cfg = config_from_dict({"model": {"arch": "bert", "n_layer": 24, "n_head": 16, "d_model": 1024},
+                            "data": {"seq_len": 512, "vocab_size": 30522, "mlm_probability": 0.15},
+                            "train": {"precision": "bf16"}})
+    # 16·512 positions, 15% of them through the vocabulary: 1228.8 x 30522 x 14 B
+    assert logits_bytes(cfg, 16) == int(1228.8 * 30522 * 14) == 525_076_070
+
+
+def test_plan_memory_total_and_fit():
+    p = plan(gpt2_124m(precision="bf16"), gpus=1, gpu="NVIDIA H100 80GB HBM3")
+    mem = p["memory"]
+    total = 16 * N_124M + 2 * 123_653_376 + 3_019_898_880 + 5_763_874_816 + FIXED
+    assert mem["total"] == total == 12_230_076_928
+    assert mem["budget"] == 0.9 * 80 * GIB
+    assert mem["fits"] and mem["pipeline_stages"] is None
+    assert mem["total_with_checkpointing"] == total - 3_019_898_880 + 553_648_128
+
+
+def test_too_big_suggests_pipeline_stages():
+    # 2 GiB GPU: budget 1.8 GiB, of which the fixed 1.125 GiB leaves 0.675 GiB per stage.
+    # Micro batch 1 with checkpointing needs, beyond the fixed part:
+    #   16·N 1,991,036,928 + bf16 copies 247,306,752
+    #   + activations 12·4·786,432 + 40·786,432 = 69,206,016 + logits 1024·50257·14 = 720,484,352
+    #   = 3,028,034,048 -> / 724,775,731.2 = 4.18 -> 5 stages
+    p = plan(gpt2_124m(precision="bf16"), gpus=1, gpu="tiny", gpu_memory_gib=2)
+    mem = p["memory"]
+    assert mem["smallest_total"] == 3_028_034_048 + FIXED
+    assert not mem["fits"]
+    assert mem["pipeline_stages"] == 5
+    assert "at least 5 pipeline stages" in planmod.format_plan(p)
+
+
+# ---------------------------------------------------------------- communication
+
+def test_ring_allreduce_by_hand():
+    nbytes = 4 * N_124M  # 497,759,232 B; at 100 Gbit/s = 12.5e9 B/s that is 0.03982073856 s
+    assert ring_allreduce_seconds(nbytes, 1, 100, 5e-6, 4) == 0.0
+    # N=2: 2·1/2 of the data, 2·1 latency steps for each of 4 fused allreduces
+    assert ring_allreduce_seconds(nbytes, 2, 100, 5e-6, 4) == pytest.approx(0.03982073856 + 4 * 2 * 5e-6)
+    # N=8: 2·7/8 = 1.75 of the data, 2·7 latency steps each
+    assert ring_allreduce_seconds(nbytes, 8, 100, 5e-6, 4) == pytest.approx(1.75 * 0.03982073856 + 4 * 14 * 5e-6)
+
+
+def test_plan_comm_fusion_and_compression():
+    comm = plan(gpt2_124m(), gpus=8)["comm"]
+    assert comm["gradient_bytes"] == 497_759_232
+    assert comm["allreduces"] == math.ceil(497_759_232 / 2 ** 27) == 4
+    assert comm["seconds"] == pytest.approx(0.06996629248)
+    cfg = config_from_dict({**gpt2_124m().to_dict(), "horovod": {"compression": "fp16"}})
+    comm = plan(cfg, gpus=8)["comm"]
+    assert comm["gradient_bytes"] == 2 * N_124M and comm["allreduces"] == 2
+
+
+def test_fusion_off_means_one_allreduce_per_parameter_tensor():
+    cfg = config_from_dict({**gpt2_124m().to_dict(), "horovod": {"fusion_threshold_mb": 0}})
+    p = plan(cfg, gpus=8)
+    assert p["comm"]["allreduces"] == 12 * 12 + 4 == sum(1 for _ in _gpt2_parameter_names())
+    assert p["memory"]["parts"]["Horovod fusion buffer"] == 0
+    # 148 allreduces x 14 ring steps x 5 us of latency on top of the bandwidth term
+    assert p["comm"]["seconds"] == pytest.approx(1.75 * 0.03982073856 + 148 * 14 * 5e-6)
+
+
+def _gpt2_parameter_names():
+    layer = [f"{m}.{w}" for m in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
+             for w in ("weight", "bias")]
+    return ["wte", "wpe", *(f"h.{i}.{n}" for i in range(12) for n in layer), "ln_f.weight", "ln_f.bias"]
+
+
+def test_fp16_compression_copies_count_in_memory():
+    cfg = config_from_dict({**gpt2_124m().to_dict(), "horovod": {"compression": "fp16"}})
+    assert memory_bytes(cfg, 8, False)["parts"]["fp16-compressed gradients"] == 2 * N_124M
+
+
+def test_exposed_comm():
+    assert exposed_comm_seconds(0.07, 0.02, micro_compute_s=0.03) == pytest.approx(0.05)  # 0.07 - 2/3·0.03
+    assert exposed_comm_seconds(0.07, 0.02, micro_compute_s=0.3) == 0.02  # hidden, except the tail
+
+
+def test_scaling_rows_by_hand():
+    # Embedding gradients (50257 + 1024)·768 = 39,383,808 params = 157,535,232 B are ready last:
+    # on 8 GPUs 1.75 · 157,535,232 / 12.5e9 + 14 · 5e-6 = 0.02212493248 s, never hidden.
+    tail_8 = 1.75 * 157_535_232 / 12.5e9 + 14 * 5e-6
+    # grad_accum 1, step 0.3 s: window 2/3 · 0.3 = 0.2 s hides all but the tail
+    rows = plan(gpt2_124m(), gpus=8, step_time=0.3)["scaling"]["rows"]
+    assert [r["gpus"] for r in rows] == [1, 2, 4, 8]
+    assert rows[0]["step_s"] == 0.3 and rows[0]["efficiency"] == 1.0
+    assert rows[-1]["exposed_s"] == pytest.approx(tail_8)
+    assert rows[-1]["efficiency"] == pytest.approx(0.3 / (0.3 + tail_8))
+    # grad_accum 16, step 0.6 s: the last micro batch computes 0.0375 s, its backward hides 0.025 s
+    rows = plan(gpt2_124m(grad_accum=16), gpus=8, step_time=0.6)["scaling"]["rows"]
+    assert rows[-1]["exposed_s"] == pytest.approx(0.06996629248 - 0.025)
+    assert rows[-1]["step_s"] == pytest.approx(0.6 + 0.06996629248 - 0.025)
+    assert rows[-1]["tokens_per_s"] == pytest.approx(8 * 8 * 16 * 1024 / rows[-1]["step_s"])
+
+
+def test_mfu_in_scaling_uses_the_gpu_peak():
+    row = plan(gpt2_124m(precision="bf16"), gpus=1, gpu="H100", step_time=0.1)["scaling"]["rows"][0]
+    # 8·1024 tokens in 0.1 s at 855,166,464 FLOPs/token on 989 TFLOP/s
+    assert row["mfu"] == pytest.approx(81920 * 855_166_464 / 989e12)
+
+
+# ---------------------------------------------------------------- batch for a target global batch
+
+def test_target_global_batch_largest_micro_batch():
+    # per GPU 64 samples; micro 64 needs 16·N + copies + 64·(12·40·786,432 + 1024·50257·14) + fixed
+    # = 73,716,492,800 B = 68.65 GiB <= 72 GiB
+    t = plan(gpt2_124m(precision="bf16"), gpus=8, gpu="H100", target_global_batch=512)["target"]
+    assert (t["micro_batch"], t["grad_accum"], t["checkpointing"]) == (64, 1, False)
+    assert t["total"] == 73_716_492_800
+    # 1024: micro 128 would need ~137 GiB, so 64 x 2
+    t = plan(gpt2_124m(precision="bf16"), gpus=8, gpu="H100", target_global_batch=1024)["target"]
+    assert (t["micro_batch"], t["grad_accum"]) == (64, 2)
+    # L4, 24 GiB: micro 16 needs 21,013,850,624 B = 19.57 GiB <= 21.6; 32 does not fit
+    t = plan(gpt2_124m(precision="bf16"), gpus=8, gpu="NVIDIA L4", target_global_batch=512)["target"]
+    assert (t["micro_batch"], t["grad_accum"]) == (16, 4)
+
+
+def test_target_needs_checkpointing():
+    # micro 1 without checkpointing: 4,544,274,944 B; with it: 4,235,993,600 B; budget 0.9·4.5 GiB between
+    t = plan(gpt2_124m(precision="bf16"), gpus=8, gpu="x", gpu_memory_gib=4.5, target_global_batch=8)["target"]
+    assert (t["micro_batch"], t["grad_accum"], t["checkpointing"]) == (1, 1, True)
+
+
+def test_target_from_config_and_not_divisible():
+    t = plan(gpt2_124m(global_batch_size=100), gpus=8)["target"]
+    assert t["global_batch"] == 100 and "not a multiple of 8" in t["error"]
+
+
+def test_target_step_time_scales_with_samples_and_recompute():
+    # measured: micro 8 x accum 1 in 0.4 s = 0.05 s per sample; target micro 1 with checkpointing
+    # on 8 GPUs: 1 sample x 4/3 recompute = 0.0666 s per micro batch, accum 1; comm mostly exposed
+    t = plan(gpt2_124m(precision="bf16"), gpus=8, gpu="x", gpu_memory_gib=4.5, step_time=0.4,
+             target_global_batch=8)["target"]
+    micro_s = 0.05 * 4 / 3
+    assert t["compute_s"] == pytest.approx(micro_s)
+    assert t["step_s"] == pytest.approx(micro_s + 0.06996629248 - 2 / 3 * micro_s)
+
+
+# ---------------------------------------------------------------- measured runs and the CLI
+
+def _write_metrics(path, records):
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+
+
+def test_read_step_time_median_of_one_worker_lines(tmp_path):
+    _write_metrics(tmp_path / "metrics.jsonl", [
+        {"step": 10, "world_size": 1, "time_step": 2.0},  # warm-up
+        {"step": 20, "world_size": 1, "time_step": 0.31},
+        {"step": 25, "eval_loss": 3.2},
+        {"step": 30, "world_size": 1, "time_step": 0.29},
+        {"step": 40, "world_size": 1, "time_step": 0.30},
+        {"step": 10, "world_size": 2, "time_step": 0.5},
+    ])
+    assert read_step_time(str(tmp_path)) == pytest.approx(0.305)  # median of 2.0, .31, .29, .30
+    assert read_step_time(str(tmp_path / "metrics.jsonl")) == pytest.approx(0.305)
+
+
+def test_read_step_time_errors(tmp_path):
+    with pytest.raises(UserError, match="no metrics file"):
+        read_step_time(str(tmp_path))
+    _write_metrics(tmp_path / "metrics.jsonl", [{"step": 1, "world_size": 2, "time_step": 0.5}])
+    with pytest.raises(UserError, match="no lines with world_size 1"):
+        read_step_time(str(tmp_path))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{oops\n')
+    with pytest.raises(UserError, match="line 2 is not JSON"):
+        read_step_time(str(tmp_path))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(gpus=0), "--gpus"),
+    (dict(gpus=2, gpu="Radeon 7"), "unknown GPU"),
+    (dict(gpus=2, step_time=0.0), "--step-time"),
+    (dict(gpus=2, net_gbps=0), "--net-gbps"),
+    (dict(gpus=2, gpu="x", gpu_memory_gib=1), "no room"),
+])
+def test_plan_rejects_bad_input(kwargs, message):
+    with pytest.raises(UserError, match=message):
+        plan(gpt2_124m(), **kwargs)
+
+
+def _cli(argv):
+    parser = argparse.ArgumentParser(prog="hvdtrain")
+    planmod.add_cli(parser.add_subparsers(required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_with_measured_run(tmp_path, capsys):
+    config = tmp_path / "gpt2.yaml"
+    config.write_text("model: {arch: gpt2, n_layer: 12, n_head: 12, d_model: 768}\n"
+                      "data: {seq_len: 1024, vocab_size: 50257}\n")
+    _write_metrics(tmp_path / "metrics.jsonl", [{"step": 10, "world_size": 1, "time_step": 0.3}])
+    assert _cli(["plan", str(config), "train.precision=bf16", "--gpus", "8", "--gpu", "A100",
+                 "--measured", str(tmp_path), "--target-global-batch", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "124,439,808" in out and "A100 80GB" in out and "fits" in out
+    assert "1-worker step 0.300 s" in out and "312 TFLOP/s" in out
+    assert "micro batch 64 x grad_accum 1 x 8 GPUs" in out
+
+
+def test_impossible_step_time_is_flagged():
+    # 8·1024 tokens x 855 MFLOPs in 1 ms would be 7 PFLOP/s on one 989 TFLOP/s GPU
+    p = plan(gpt2_124m(precision="bf16"), gpus=2, gpu="H100", step_time=0.001)
+    assert p["scaling"]["rows"][0]["mfu"] > 1
+    assert "warning: this step time means more than the GPU's peak" in planmod.format_plan(p)
+    assert "warning" not in planmod.format_plan(plan(gpt2_124m(precision="bf16"), gpus=2, step_time=0.1))
+
+
+def test_cli_config_errors_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        _cli(["plan", str(tmp_path / "missing.yaml"), "--gpus", "2"])
+    config = tmp_path / "c.yaml"
+    config.write_text("model: {arch: gpt2}\n")
+    with pytest.raises(UserError, match="model.n_layer"):
+        _cli(["plan", str(config), "model.n_layer=0", "--gpus", "2"])
+
+
+# ---------------------------------------------------------------- the formula against real models
+
+@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+def test_layer_formula_matches_saved_tensors_of_hf_models(arch):
+    """Sum the bytes autograd keeps for backward in a real HF layer (eager attention, fp32, on
+    CPU) and compare with layer_activation_bytes. CPU dropout keeps its mask as a float tensor
+    (4 B), where CUDA keeps 1-byte masks: 3 more bytes for each of 2·sbh + a·s²·b mask elements.
+    The formula leaves out the two LayerNorms' per-row fp32 mean and rstd (2·2·4·b·s bytes)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    s, b, h, a = 64, 2, 128, 4
+
+    def saved_bytes(n_layer):
+        torch.manual_seed(0)
+        if arch == "gpt2":
+            model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+                n_layer=n_layer, n_embd=h, n_head=a, vocab_size=96, n_positions=s,
+                activation_function="gelu_pytorch_tanh", attn_implementation="eager"))
+        else:
+            model = transformers.BertForMaskedLM(transformers.BertConfig(
+                num_hidden_layers=n_layer, hidden_size=h, num_attention_heads=a, intermediate_size=4 * h,
+                vocab_size=96, max_position_embeddings=s, attn_implementation="eager"))
+        model.train()
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        storages = {}
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params:
+                storages[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        ids = torch.randint(0, 96, (b, s))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, labels=ids)
+        return sum(storages.values())
+
+    per_layer = saved_bytes(3) - saved_bytes(2)
+    cpu_masks = 3 * (2 * s * b * h + a * s * s * b)
+    layernorm_stats = 2 * 2 * 4 * b * s
+    assert per_layer == layer_activation_bytes(s, b, h, a, 4, sdpa=False) + cpu_masks + layernorm_stats
