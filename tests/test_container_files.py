@@ -22,6 +22,7 @@ import yaml
 from hvdtrain.cli import build_parser
 
 REPO = Path(__file__).resolve().parent.parent
+README = REPO / "README.md"
 DOCKER = REPO / "docker"
 BIN = Path(sys.executable).parent
 
@@ -366,7 +367,7 @@ def test_mpijob_agrees_with_the_image_on_user_ssh_and_paths():
 
 # ---------------------------------------------------------------- every file: recipes and commands
 
-CLUSTER_FILES = [DOCKER / "docker-compose.yml", SBATCH, DOCKER / "k8s" / "mpijob.yaml", DOCKER / "RUN_AT_SCALE.md"]
+CLUSTER_FILES = [DOCKER / "docker-compose.yml", SBATCH, DOCKER / "k8s" / "mpijob.yaml", README]
 
 
 @pytest.mark.parametrize("path", CLUSTER_FILES, ids=lambda p: p.name)
@@ -378,9 +379,9 @@ def test_referenced_recipes_exist(path):
 
 
 def doc_commands() -> list[tuple[str, bool]]:
-    """(command, complete) for RUN_AT_SCALE.md: lines of its shell blocks (continuations joined)
+    """(command, complete) for README.md: lines of its shell blocks (continuations joined)
     are complete commands; `inline code` in the prose may be a fragment such as `hvdtrain launch`."""
-    text = (DOCKER / "RUN_AT_SCALE.md").read_text()
+    text = README.read_text()
     blocks = "\n".join(re.findall(r"```bash\n(.*?)```", text, re.S))
     lines = [(line, True) for line in blocks.replace("\\\n", " ").splitlines()]
     return lines + [(code, False) for code in re.findall(r"`([^`\n]*hvdtrain[^`\n]*)`", text)]
