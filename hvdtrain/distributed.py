@@ -64,6 +64,8 @@ def init(cfg: Config) -> World:
     hvd.init()
     if torch.cuda.is_available():
         torch.cuda.set_device(hvd.local_rank())
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast use TF32
+        torch.backends.cudnn.allow_tf32 = True
         device = torch.device("cuda", hvd.local_rank())
     else:
         device = torch.device("cpu")

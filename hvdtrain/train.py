@@ -181,7 +181,7 @@ def train(cfg: Config) -> torch.nn.Module:
         log = RunLog(cfg.out_dir, start_step, t.max_steps, cfg.log.progress, cfg.log.tensorboard)
 
     timer = StepTimer(device, cfg.log.step_breakdown)
-    throughput = Throughput(cfg, data.vocab.size, world, global_batch)
+    throughput = Throughput(cfg, model.config.vocab_size, world, global_batch)
     profiler = Profiler(cfg.profile, cfg.out_dir, world, timer)
     normalizer = distributed.TokenNormalizer(cfg.horovod.op, world.size,
                                              t.micro_batch_size * grad_accum * cfg.data.seq_len)
