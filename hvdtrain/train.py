@@ -63,12 +63,14 @@ def set_rng_state(state: dict):
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def check_resume_compatible(saved: dict, cfg: Config, path: Path):
+def resume_problem(saved: dict, cfg: Config, path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot continue this config, or None."""
     current = cfg.to_dict()
     for section, key in RESUME_MUST_MATCH:
         if saved[section][key] != current[section][key]:
-            raise UserError(f"config key '{section}.{key}' is {current[section][key]!r} but the checkpoint "
-                            f"{path} was written with {saved[section][key]!r}; use another out_dir to start afresh")
+            return (f"config key '{section}.{key}' is {current[section][key]!r} but the checkpoint {path} was "
+                    f"written with {saved[section][key]!r}; use another out_dir to start afresh")
+    return None
 
 
 @torch.no_grad()
@@ -115,14 +117,16 @@ def train(cfg: Config) -> torch.nn.Module:
                         f"({len(data.train)} blocks of data.seq_len={cfg.data.seq_len} tokens)")
 
     # ---- resume: rank 0 decides and reads the checkpoint; the others receive it by broadcast
-    ckpt_path, state = None, None
+    ckpt_path, state, problem = None, None, None
     if world.is_main:
         checkpoint.remove_partial_writes(cfg.out_dir)
         ckpt_path = checkpoint.latest_checkpoint(cfg.out_dir) if cfg.checkpoint.resume else None
         if ckpt_path is not None:
             state = checkpoint.load_state(ckpt_path)
-            check_resume_compatible(state["config"], cfg, ckpt_path)
-    ckpt_path = distributed.broadcast_object(ckpt_path, name="ckpt_path")
+            problem = resume_problem(state["config"], cfg, ckpt_path)
+    ckpt_path, problem = distributed.broadcast_object((ckpt_path, problem), name="ckpt_path")
+    if problem:
+        raise UserError(problem)
 
     # ---- model and optimizer; the same seed on every rank, and rank 0's values win anyway
     torch.manual_seed(t.seed)
@@ -152,8 +156,10 @@ def train(cfg: Config) -> torch.nn.Module:
         raise UserError(f"the checkpoint {ckpt_path} stopped after {position} samples, which is not a multiple "
                         f"of the global batch {global_batch}; resume with the global batch it was written with")
 
+    # The sampler counts steps of this global batch from the stream's start; a resume with another
+    # global batch starts at a different step number there than in training.
     sampler = StreamSampler(len(data.train), t.micro_batch_size, grad_accum, world.rank, world.size, t.seed,
-                            start_position=position, max_steps=t.max_steps)
+                            start_position=position, max_steps=position // global_batch + t.max_steps - start_step)
     loader = torch.utils.data.DataLoader(
         data.train, batch_sampler=sampler, collate_fn=data.collate, num_workers=cfg.data.num_workers,
         pin_memory=device.type == "cuda", prefetch_factor=4 if cfg.data.num_workers else None,
@@ -193,7 +199,8 @@ def train(cfg: Config) -> torch.nn.Module:
         rngs = distributed.allgather_object(rng_state(), name="rng")
         if world.is_main:
             checkpoint.save_checkpoint(cfg.out_dir, step, model, {
-                "step": step, "position": step * global_batch, "optimizer": optimizer.state_dict(),
+                "step": step, "position": position + (step - start_step) * global_batch,
+                "optimizer": optimizer.state_dict(),
                 "scaler": scaler.state_dict(), "rng": rngs, "config": cfg.to_dict(), "world_size": world.size,
             }, keep=cfg.checkpoint.keep)
 

@@ -67,3 +67,18 @@ def test_lr_scaling_at_two_workers(tmp_path, tiny_config, rule, factor):
     lr_after_warmup = [r["lr"] for r in records if r["step"] > 2]
     assert lr_after_warmup == pytest.approx([1e-3 * factor] * 2)
     assert records[0]["lr"] == pytest.approx(1e-3 * factor / 2)  # warmup step 1 of 2
+
+
+def test_resume_with_a_bigger_global_batch_continues_the_stream(tmp_path, tiny_config):
+    """Stopped after 4 steps of 8 samples (stream position 32), resumed with 16 per step: steps
+    5-8 read positions 32-95, so the sampler must start at its own step 2, not 4."""
+    from conftest import hvdtrain, read_metrics
+    config = tiny_config({"train": {"max_steps": STEPS, "global_batch_size": 8}})
+    out = tmp_path / "run"
+    assert hvdtrain("train", config, f"out_dir={out}", f"train.stop_at_step={HALF}").returncode == 0
+    proc = hvdtrain("train", config, f"out_dir={out}", "train.global_batch_size=16", "train.micro_batch_size=8")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records = read_metrics(out)[0]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [r["global_batch"] for r in records] == [8] * HALF + [16] * HALF
+    assert checkpoint.load_state(checkpoint.latest_checkpoint(out))["position"] == HALF * 8 + HALF * 16
