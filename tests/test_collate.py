@@ -13,6 +13,15 @@ def samples(blocks, start=0):
     return [{"input_ids": torch.from_numpy(b.astype(np.int64)), "position": start + i} for i, b in enumerate(blocks)]
 
 
+def bert_batch_parts(n, seq_len):
+    """(vocab, blocks, collator) for synthetic BERT data."""
+    cfg = Config()
+    cfg.model.arch = "bert"
+    vocab = synthetic_vocab(cfg)
+    blocks = synthetic_blocks(n, seq_len, cfg.data.vocab_size, seed=0, arch="bert")
+    return vocab, blocks, MaskedLMCollator(vocab, 0.15, seed=1)
+
+
 def test_causal_labels_are_the_next_token():
     blocks = np.arange(12).reshape(2, 6)
     batch = CausalLMCollator()(samples(blocks))
@@ -21,11 +30,7 @@ def test_causal_labels_are_the_next_token():
 
 
 def test_masking_rate_and_80_10_10_split():
-    cfg = Config()
-    cfg.model.arch = "bert"
-    vocab = synthetic_vocab(cfg)
-    blocks = synthetic_blocks(2000, 64, cfg.data.vocab_size, seed=0, arch="bert")
-    collate = MaskedLMCollator(vocab, 0.15, seed=1)
+    vocab, blocks, collate = bert_batch_parts(2000, 64)
     batch = collate(samples(blocks))
     original = torch.from_numpy(blocks.astype(np.int64))
     picked = batch["labels"] != IGNORE_INDEX
@@ -45,11 +50,7 @@ def test_masking_rate_and_80_10_10_split():
 
 
 def test_masks_depend_on_the_stream_position_only():
-    cfg = Config()
-    cfg.model.arch = "bert"
-    vocab = synthetic_vocab(cfg)
-    blocks = synthetic_blocks(8, 32, cfg.data.vocab_size, seed=0, arch="bert")
-    collate = MaskedLMCollator(vocab, 0.15, seed=1)
+    _, blocks, collate = bert_batch_parts(8, 32)
     whole = collate(samples(blocks, start=100))
     halves = [collate(samples(blocks[:4], start=100)), collate(samples(blocks[4:], start=104))]
     assert torch.equal(whole["input_ids"], torch.cat([h["input_ids"] for h in halves]))
