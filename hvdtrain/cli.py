@@ -5,6 +5,9 @@
   hvdtrain profile CONFIG [...]                      a short profiled run (see hvdtrain/profiling.py)
   hvdtrain doctor                                    what this installation can do
   hvdtrain export RUN_OR_CHECKPOINT OUT              a Hugging Face folder
+  hvdtrain report RUN_DIR                            summary table and plots of a run
+  hvdtrain bench overhead|scaling|allreduce          benchmarks
+  hvdtrain plan CONFIG --gpus N                      memory, step time and scaling estimates
   hvdtrain generate MODEL "prompt" / fill-mask MODEL "text with [MASK]"
 
 A user mistake (UserError) becomes one line on stderr and exit code 2, printed once (by
@@ -18,8 +21,7 @@ import subprocess
 import sys
 import time
 
-from hvdtrain import bench, export, inference, report
-from hvdtrain import export, inference, plan
+from hvdtrain import bench, export, inference, plan, report
 from hvdtrain.errors import UserError
 
 RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
@@ -151,10 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Subcommands defined next to their code; those modules import torch lazily, so
     # `hvdtrain --help` stays fast.
-    for module in (export, inference, plan):
+    for module in (export, inference, plan, report, bench):
         module.add_cli(sub)
-    report.add_cli(sub)
-    bench.add_cli(sub)
     return parser
 
 
