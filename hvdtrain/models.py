@@ -47,7 +47,6 @@ def build_model(cfg: ModelConfig, vocab: Vocab, seq_len: int) -> torch.nn.Module
         config = GPT2Config(vocab_size=rows, n_positions=positions, n_embd=cfg.d_model, n_layer=cfg.n_layer,
                             n_head=cfg.n_head, n_inner=d_ff, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
                             attn_pdrop=cfg.dropout, bos_token_id=vocab.bos_id, eos_token_id=vocab.eos_id,
-                            pad_token_id=vocab.pad_id,
                             # GPT-2's tanh GELU as one kernel: same values as "gelu_new", which
                             # runs as several small ops and keeps their outputs for backward
                             activation_function="gelu_pytorch_tanh")
