@@ -7,6 +7,7 @@ start, broadcast from rank 0, then per optimizer step
     -> wait for the allreduce -> normalise by the step's target tokens -> clip -> optimizer step
 with logging, evaluation and checkpoints at their intervals.
 """
+import gc
 import hashlib
 import math
 import random
@@ -204,6 +205,13 @@ def train(cfg: Config) -> torch.nn.Module:
                 "scaler": scaler.state_dict(), "rng": rngs, "config": cfg.to_dict(), "world_size": world.size,
             }, keep=cfg.checkpoint.keep)
 
+    # Python's garbage collector runs at log points only (as torchtitan does): an automatic
+    # collection inside a step stalls this rank, and every other rank waits for it in the
+    # next allreduce. Long-lived objects made so far are frozen out of future collections.
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+
     if start_step == 0:  # the baseline every later evaluation is compared with
         result = evaluate(model, eval_loader, device, autocast)
         if log is not None:
@@ -256,9 +264,9 @@ def train(cfg: Config) -> torch.nn.Module:
 
         # 4. log, evaluate, checkpoint
         if done % cfg.log.every == 0 or done == last_step:
+            means, step_time = timer.interval()  # the steps only: logging below is not step time
             local = torch.stack(step_losses).double().cpu().tolist()
             per_step = [s / n for s, n in zip(distributed.allreduce_sum(local, name="loss"), step_targets)]
-            means, step_time = timer.interval()
             per_rank = distributed.allgather_floats(means + [step_time], name="timings")
             if log is not None:
                 record = {"step": done, "loss": sum(per_step) / len(per_step), "step_losses": per_step, "lr": lr,
@@ -268,6 +276,8 @@ def train(cfg: Config) -> torch.nn.Module:
                     record.update(summarize_ranks(per_rank, cfg.log.imbalance_threshold))
                 log.train_record(record)
             step_losses, step_targets = [], []
+            gc.collect(1)  # young garbage only, here rather than at a random point inside a step
+            timer.reset()
         if (cfg.eval.every and done % cfg.eval.every == 0) or done == last_step:
             result = evaluate(model, eval_loader, device, autocast)
             if log is not None:
@@ -277,6 +287,7 @@ def train(cfg: Config) -> torch.nn.Module:
             save(done)
             timer.reset()
 
+    gc.enable()
     profiler.close()
     if log is not None:
         log.close()
