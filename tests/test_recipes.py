@@ -22,8 +22,8 @@ print(type(model).__name__, len(tok))
 def test_tiny_recipe_trains_exports_and_runs(tmp_path, recipe, kind, steps):
     out = tmp_path / "run"
     proc = hvdtrain("launch", "-np", "2", REPO / "recipes" / f"{recipe}.yaml", f"out_dir={out}",
-                    f"train.max_steps={steps}", "checkpoint.every=20", "eval.every=20", "log.progress=false",
-                    f"data.cache_dir={tmp_path / 'cache'}", timeout=400)
+                    f"train.max_steps={steps}", "train.warmup_steps=10", "checkpoint.every=20", "eval.every=20",
+                    "log.progress=false", f"data.cache_dir={tmp_path / 'cache'}", timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     evals = {e["step"]: e["eval_loss"] for e in read_metrics(out)[1]}
     assert sorted(evals) == [0, 20, steps]
