@@ -180,6 +180,11 @@ def _convert(value, tp, key: str):
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
+        if isinstance(value, str):  # PyYAML reads 3e-4 (no dot) as a string: YAML 1.1's float syntax
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             return float(value)
     elif tp is str:

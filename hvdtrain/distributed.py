@@ -216,9 +216,3 @@ def leader_first(world: World, what: str):
         if allreduce_sum([0.0], name=name)[0] > 0:
             raise SystemExit(2)  # the leader prints the error
         yield
-
-
-def check_all_ok(ok: bool, what: str):
-    """Agree across ranks: if any rank failed `what`, every rank stops (exit 2)."""
-    if allreduce_sum([0.0 if ok else 1.0], name=f"check.{what}")[0] > 0:
-        raise SystemExit(2)

@@ -37,7 +37,7 @@ class Vocab:
 
 def build_model(cfg: ModelConfig, vocab: Vocab, seq_len: int) -> torch.nn.Module:
     if cfg.pretrained:
-        return load_pretrained(cfg)
+        return load_pretrained(cfg, seq_len)
     from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
 
     positions = cfg.max_position or seq_len
@@ -60,15 +60,20 @@ def build_model(cfg: ModelConfig, vocab: Vocab, seq_len: int) -> torch.nn.Module
     return BertForMaskedLM(config)
 
 
-def load_pretrained(cfg: ModelConfig) -> torch.nn.Module:
+def load_pretrained(cfg: ModelConfig, seq_len: int) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
     auto = AutoModelForCausalLM if cfg.arch == "gpt2" else AutoModelForMaskedLM
     try:
-        return auto.from_pretrained(cfg.pretrained, attn_implementation="sdpa")
-    except OSError as e:
+        model = auto.from_pretrained(cfg.pretrained, attn_implementation="sdpa")
+    except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"model.pretrained '{cfg.pretrained}': could not load ({first})") from None
+    positions = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    if positions is not None and positions < seq_len:
+        raise UserError(f"model.pretrained '{cfg.pretrained}' has {positions} positions, fewer than "
+                        f"data.seq_len={seq_len} (train the first phase with model.max_position={seq_len})")
+    return model
 
 
 def transformer_blocks(model) -> torch.nn.ModuleList:

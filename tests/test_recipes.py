@@ -5,6 +5,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 from conftest import REPO, hvdtrain, read_metrics, run_cmd
 
@@ -78,3 +79,28 @@ def test_hub_dataset_while_offline_is_one_clear_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Salesforce/wikitext" in lines[0] and "data.source" in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
+
+
+def test_continue_pretraining_from_an_exported_model(tmp_path):
+    """Phase 2 of the BERT recipes: model.pretrained loads phase 1's hf/ folder, weights and
+    tokenizer, and trains on at a longer sequence length."""
+    common = [REPO / "recipes" / "bert-tiny.yaml", "data.vocab_size=512", "train.micro_batch_size=4",
+              "train.global_batch_size=null", "eval.batches=1", "log.progress=false",
+              f"data.cache_dir={tmp_path / 'cache'}"]
+    phase1, phase2 = tmp_path / "phase1", tmp_path / "phase2"
+    assert hvdtrain("train", *common, "data.seq_len=32", "model.max_position=64", "train.max_steps=3",
+                    f"out_dir={phase1}").returncode == 0
+    # A phase-1 model without room for the longer sequences is refused with a clear message.
+    short = hvdtrain("train", *common, "data.seq_len=128", f"model.pretrained={phase1 / 'hf'}", f"out_dir={phase2}")
+    assert short.returncode == 2 and "has 64 positions, fewer than data.seq_len=128" in short.stderr
+    assert not phase2.exists()
+    # lr ~0: phase 2 must end with exactly the weights it loaded (not a fresh initialisation)
+    proc = hvdtrain("train", *common, "data.seq_len=64", "train.max_steps=2", "train.lr=1e-30",
+                    "train.weight_decay=0", f"model.pretrained={phase1 / 'hf'}", f"out_dir={phase2}")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    from safetensors.torch import load_file
+    before, after = load_file(str(phase1 / "hf" / "model.safetensors")), load_file(str(phase2 / "hf" / "model.safetensors"))
+    assert before.keys() == after.keys()
+    for name in before:
+        assert torch.allclose(before[name], after[name], atol=1e-6), name
+    assert read_metrics(phase2)[0][-1]["step"] == 2

@@ -5,6 +5,7 @@
   * text (builtin corpus, local files, hub datasets) tokenized and packed by
     hvdtrain.data.text / .tokenizer / .packing, with the work done once per host and cached.
 """
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,7 +82,7 @@ def text_data(cfg: Config, root: Path):
     if val_texts is None:
         train_texts, val_texts = split_validation(train_texts, data.validation_fraction, cfg.train.seed)
     if data.tokenizer == "train" and cfg.model.pretrained:
-        data.tokenizer = cfg.model.pretrained  # continue pretraining with the model's own tokenizer
+        data = dataclasses.replace(data, tokenizer=cfg.model.pretrained)  # continue with the model's own
     tokenizer = load_or_train_tokenizer(data, arch, train_texts, root)
     train = load_or_pack(data, arch, train_texts, tokenizer, root, "train")
     val = load_or_pack(data, arch, val_texts, tokenizer, root, "validation")
