@@ -93,11 +93,16 @@ def test_cuda_torch_with_the_nccl_wheel_builds_nccl_against_a_linked_layout(inst
     assert install.feature_tag(flags) == "gloo-nccl"
 
 
-def test_horovod_nccl_home_with_a_complete_layout_is_used_as_it_is(install, tmp_path):
+def nccl_home_machine(tmp_path):
+    """A complete NCCL folder named by HOROVOD_NCCL_HOME, on a machine with nvcc: (folder, env)."""
     home = tmp_path / "nccl"
     executable(home / "include" / "nccl.h")
     executable(home / "lib" / "libnccl.so")
-    env = dict(fake_machine(tmp_path, "nvcc"), HOROVOD_NCCL_HOME=str(home))
+    return home, dict(fake_machine(tmp_path, "nvcc"), HOROVOD_NCCL_HOME=str(home))
+
+
+def test_horovod_nccl_home_with_a_complete_layout_is_used_as_it_is(install, tmp_path):
+    home, env = nccl_home_machine(tmp_path)
     flags = install.detect(None, CUDA_TORCH, tmp_path / "build", env)
     assert flags["HOROVOD_NCCL_HOME"] == str(home)
     assert not (tmp_path / "build").exists()
@@ -116,10 +121,7 @@ def test_system_nccl_in_a_multiarch_lib_folder_is_found_and_linked(install, tmp_
 
 
 def test_cpu_torch_gets_no_nccl_even_when_nvcc_and_nccl_are_there(install, tmp_path):
-    home = tmp_path / "nccl"
-    executable(home / "include" / "nccl.h")
-    executable(home / "lib" / "libnccl.so")
-    env = dict(fake_machine(tmp_path, "nvcc"), HOROVOD_NCCL_HOME=str(home))
+    home, env = nccl_home_machine(tmp_path)
     flags = install.detect(None, CPU_TORCH, tmp_path / "build", env)
     assert not {"HOROVOD_GPU_OPERATIONS", "HOROVOD_NCCL_HOME", "HOROVOD_NCCL_LINK",
                 "HOROVOD_BUILD_CUDA_CC_LIST"} & flags.keys()
