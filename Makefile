@@ -5,7 +5,7 @@ NP ?= 2
 RECIPE ?= recipes/gpt-tiny.yaml
 BIN := $(VENV)/bin
 
-.PHONY: setup train test bench clean
+.PHONY: setup train test test-fast bench clean
 
 # venv, torch (TORCH_SPEC=... to choose a build), Horovod built for this machine, hvdtrain.
 setup:
@@ -18,6 +18,10 @@ train: setup
 
 test: setup
 	$(BIN)/python -m pytest -q tests
+
+# The tests that start no worker processes: seconds.
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not workers" tests
 
 bench: setup
 	$(BIN)/hvdtrain bench overhead

@@ -22,17 +22,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-from hvdtrain import cli, report
+from hvdtrain import launch, metrics, report
 from hvdtrain.config import Config, load_config, resolve_batch
-from hvdtrain.data import build_data
 from hvdtrain.errors import UserError
-from hvdtrain.models import IGNORE_INDEX, build_model, logits_and_labels, prepare
-from hvdtrain.sampler import StreamSampler
 
-# hvdtrain.distributed and hvdtrain.train import Horovod, so the commands that need them import
-# them: the CLI imports this module, and `hvdtrain doctor` must start even when Horovod is broken.
+# torch, Horovod and the modules that import them are imported by the commands that need them:
+# the CLI imports this module to list its subcommands, and `hvdtrain --help` should not wait for
+# torch, nor `hvdtrain doctor` fail when Horovod is broken.
 
 DEFAULT_RECIPE = "recipes/gpt-tiny.yaml"
 RESULT_TAG = "hvdtrain-bench-result: "  # marks the line a benchmark worker reports its result on
@@ -50,10 +46,13 @@ def parse_ints(text: str, what: str) -> list[int]:
 
 # ---------------------------------------------------------------- overhead
 
-def bare_window(cfg: Config, data, steps: list[list[dict]], device: torch.device) -> float:
+def bare_window(cfg: Config, data, steps: list[list[dict]], device) -> float:
     """Tokens/s of a plain PyTorch loop over `steps` (lists of micro batches already on the
     device), timed over the second half: the first half warms up as hvdtrain's first log
     interval does. The same model and maths as hvdtrain's step: accumulation, clipping, precision."""
+    import torch
+
+    from hvdtrain.models import IGNORE_INDEX, build_model, logits_and_labels, prepare
     from hvdtrain.train import build_optimizer
 
     t = cfg.train
@@ -100,12 +99,16 @@ def hvdtrain_window(config: str, overrides: list[str], out_dir: Path, steps: int
                                f"log.every={steps}", "log.progress=false", "checkpoint.resume=false"])
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         train(cfg)
-    records, _ = report.read_metrics(out_dir)
+    records, _ = metrics.read_metrics(out_dir)
     return records[-1]["tokens_per_s"]
 
 
 def run_overhead(args) -> int:
+    import torch
+
     from hvdtrain import distributed
+    from hvdtrain.data import build_data
+    from hvdtrain.sampler import StreamSampler
 
     if args.steps < 1 or args.windows < 1:
         raise UserError(f"--steps ({args.steps}) and --windows ({args.windows}) must be >= 1")
@@ -173,7 +176,7 @@ def scaling_run(n: int, args, out_dir: Path) -> dict:
     if proc.returncode:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
         raise SystemExit(proc.returncode)
-    measured = report.steady(report.read_metrics(out_dir)[0])
+    measured = report.steady(metrics.read_metrics(out_dir)[0])
     step = report.time_mean(measured, lambda r: r["time_step"])
     return {"tokens_per_s": report.rate(measured, "tokens_per_s"), "time_step": step,
             "comm_share": report.time_mean(measured, lambda r: r["time_allreduce"]) / step,
@@ -259,7 +262,7 @@ def run_allreduce(args) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     if args.np < 1:
         raise UserError(f"-np: expected a number of workers >= 1, got {args.np}")
-    cmd = cli.horovodrun_command(args, ["bench", "_allreduce-worker", ",".join(map(str, sizes)),
+    cmd = launch.horovodrun_command(args, ["bench", "_allreduce-worker", ",".join(map(str, sizes)),
                                         "--warmup", str(args.warmup), "--repeats", str(args.repeats)])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [line.split(RESULT_TAG, 1)[1] for line in proc.stdout.splitlines() if RESULT_TAG in line]
@@ -289,6 +292,7 @@ def human_bytes(n: int) -> str:
 def run_allreduce_worker(args) -> int:
     """One rank of `bench allreduce`, started by horovodrun; rank 0 prints the result."""
     import horovod.torch as hvd
+    import torch
 
     from hvdtrain import distributed
 
@@ -337,7 +341,7 @@ def add_cli(sub):
     p.set_defaults(func=run_overhead)
 
     p = kinds.add_parser("scaling", help="throughput and scaling efficiency with N local workers")
-    cli.add_config_args(p)
+    launch.add_config_args(p)
     p.add_argument("--np", default="1,2", help="worker counts, comma-separated (default 1,2)")
     p.add_argument("--steps", type=int, default=30, help="steps per run (default 30)")
     p.add_argument("--log-every", type=int, default=10, help="log interval; the first one is not measured")
@@ -348,7 +352,7 @@ def add_cli(sub):
     p.set_defaults(func=run_scaling)
 
     p = kinds.add_parser("allreduce", help="Horovod allreduce bandwidth over message sizes")
-    cli.add_launch_options(p, default_np=2)
+    launch.add_launch_options(p, default_np=2)
     p.add_argument("--sizes", default="1K,4K,16K,64K,256K,1M,4M,16M,64M", help="message sizes in bytes")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls per size")
     p.add_argument("--repeats", type=int, default=20, help="timed calls per size")

@@ -21,12 +21,12 @@ Three estimates, each plain arithmetic on the config (no torch, no GPU):
 The model shape comes from the config (data.vocab_size, model.*); a `model.pretrained`
 checkpoint's own shape is not read.
 """
-import json
 import math
 import statistics
 from pathlib import Path
 from typing import Optional
 
+from hvdtrain import metrics
 from hvdtrain.config import load_config, resolve_batch
 from hvdtrain.errors import UserError
 from hvdtrain.flops import (count_params, find_gpu, flops_params, head_fraction, mfu, model_dims,
@@ -198,19 +198,9 @@ def read_step_time(run_dir: str) -> float:
     compilation). `run_dir` may also be the metrics file itself."""
     path = Path(run_dir)
     if path.is_dir():
-        path = path / "metrics.jsonl"
-    if not path.is_file():
-        raise UserError(f"--measured: no metrics file '{path}'")
-    times = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            raise UserError(f"--measured: '{path}' line {number} is not JSON") from None
-        if isinstance(record, dict) and record.get("world_size") == 1 and record.get("time_step") is not None:
-            times.append(float(record["time_step"]))
+        path = path / metrics.FILE_NAME
+    times = [float(r["time_step"]) for r in metrics.read_records(path, "--measured")
+             if r.get("world_size") == 1 and r.get("time_step") is not None]
     if not times:
         raise UserError(f"--measured: '{path}' has no lines with world_size 1 and time_step; "
                         "measure a 1-worker run or pass --step-time")

@@ -12,31 +12,14 @@ Throughput and timings are averaged over the log intervals after the first one: 
 interval also pays for start-up (data loader workers, first allocations), which is not what
 a step costs.
 """
-import json
 import re
 from collections import Counter
 from pathlib import Path
 
 from hvdtrain.errors import UserError
-from hvdtrain.step_timer import PHASES
+from hvdtrain.metrics import PHASES, read_metrics
 
 TOP_OPERATORS = 10
-
-
-def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
-    """(train records, eval records) in step order. A run that was resumed from a checkpoint
-    logs the steps after that checkpoint twice; the later record is the one that counts."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        raise UserError(f"'{run_dir}' is not a run folder: {path} does not exist")
-    train, evals = {}, {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            (evals if "eval_loss" in record else train)[record["step"]] = record
-    if not train:
-        raise UserError(f"{path} has no training records yet")
-    return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)]
 
 
 def steady(train: list[dict]) -> list[dict]:

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
-PHASES = ("data", "forward", "backward", "allreduce", "optimizer")
+from hvdtrain.metrics import PHASES
 
 
 class StepTimer:
@@ -53,25 +53,3 @@ class StepTimer:
         means = [self.totals[p] / steps for p in PHASES]
         self.reset()
         return means, elapsed / steps
-
-
-def summarize_ranks(per_rank, threshold: float) -> dict:
-    """Breakdown and load imbalance from an array (world_size, len(PHASES) + 1) of per-step
-    means: the phases, then the whole step.
-
-    A rank's busy time is data + forward + backward: what it spends before it can join the
-    allreduce. The other ranks wait for the slowest one inside the allreduce, so a straggler
-    shows up as a large busy time on one rank and large allreduce time on the others."""
-    mean = per_rank.mean(axis=0)
-    record = {f"time_{p}": float(mean[i]) for i, p in enumerate(PHASES)}
-    record["time_step"] = float(mean[-1])
-    record["comm_fraction"] = record["time_allreduce"] / record["time_step"] if record["time_step"] > 0 else 0.0
-    compute = per_rank[:, 1] + per_rank[:, 2]
-    busy = per_rank[:, 0] + compute
-    record["compute_min"], record["compute_max"] = float(compute.min()), float(compute.max())
-    record["slowest_rank"], record["fastest_rank"] = int(busy.argmax()), int(busy.argmin())
-    record["imbalance"] = float((busy.max() - busy.min()) / busy.min()) if busy.min() > 0 else 0.0
-    record["imbalance_warning"] = record["imbalance"] > threshold and len(busy) > 1
-    record["ranks"] = {p: [float(v) for v in per_rank[:, i]] for i, p in enumerate(PHASES)}
-    record["ranks"]["step"] = [float(v) for v in per_rank[:, -1]]
-    return record

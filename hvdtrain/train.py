@@ -28,8 +28,8 @@ from hvdtrain.models import IGNORE_INDEX, build_model, logits_and_labels, prepar
 from hvdtrain.profiling import Profiler
 from hvdtrain.run_log import RunLog
 from hvdtrain.sampler import EvalSampler, StreamSampler
-from hvdtrain.step_timer import PHASES, StepTimer, summarize_ranks
-from hvdtrain.throughput import Throughput
+from hvdtrain.metrics import Throughput, summarize_ranks
+from hvdtrain.step_timer import StepTimer
 
 # Keys that must match between a checkpoint and the run resuming it: the data stream and
 # the model's shapes. Batch sizes, world size, logging etc. may change on resume.

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from conftest import hvdtrain
-from test_report import png_size
+from helpers import hvdtrain, png_size
+
+pytestmark = pytest.mark.workers
 
 
 def last_json(stdout: str) -> dict:

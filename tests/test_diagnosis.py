@@ -4,8 +4,10 @@ import json
 
 import pytest
 
-from conftest import read_metrics, train_workers
-from hvdtrain.step_timer import PHASES
+from helpers import read_metrics, train_workers
+from hvdtrain.metrics import PHASES
+
+pytestmark = pytest.mark.workers
 
 PROFILED_STEPS = 4  # wait 1 + warmup 1 + active 2
 

@@ -1,5 +1,9 @@
 """`hvdtrain doctor` reports this installation: torch, Horovod built with Gloo, a verdict."""
-from conftest import hvdtrain, run_cmd
+import pytest
+
+from helpers import hvdtrain, run_cmd
+
+pytestmark = pytest.mark.workers
 
 
 def test_doctor_reports_a_ready_cpu_installation():

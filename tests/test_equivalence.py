@@ -1,23 +1,10 @@
 """Data parallelism must not change the maths: np=2 equals np=1 and accumulation equals a
 bigger micro batch, step by step, with real horovodrun workers."""
 import pytest
-import torch
 
-from conftest import load_params, step_losses, train_workers
+from helpers import assert_same_losses, assert_same_params, load_params, step_losses, train_workers
 
-RTOL = 1e-5
-
-
-def assert_same_losses(a: dict, b: dict, min_steps: int = 5):
-    assert len(a) >= min_steps and a.keys() == b.keys()
-    for step in a:
-        assert a[step] == pytest.approx(b[step], rel=RTOL), f"step {step}: {a[step]} vs {b[step]}"
-
-
-def assert_same_params(a: dict, b: dict, atol=0.0):
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.allclose(a[name], b[name], rtol=0, atol=atol), name
+pytestmark = pytest.mark.workers
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "bert"])

@@ -1,7 +1,9 @@
 """Bad input: one line naming the key, file or value; exit code 2; no traceback; nothing written."""
 import pytest
 
-from conftest import BIN, hvdtrain, run_cmd
+from helpers import BIN, hvdtrain, run_cmd
+
+pytestmark = pytest.mark.workers
 
 CASES = [
     # (overrides, words the message must contain)

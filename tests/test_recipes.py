@@ -7,7 +7,9 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, hvdtrain, read_metrics, run_cmd
+from helpers import REPO, hvdtrain, read_metrics, run_cmd
+
+pytestmark = pytest.mark.workers
 
 LOADS_WITHOUT_HVDTRAIN = """
 import sys

@@ -1,18 +1,11 @@
 """`hvdtrain report` on a real run of 2 workers: the summary table, the operator table of the
 profiled steps and the plots."""
-import struct
-
 import pytest
 
-from conftest import hvdtrain, read_metrics, train_workers
+from helpers import hvdtrain, png_size, read_metrics, train_workers
 from hvdtrain import report
 
-
-def png_size(path) -> tuple[int, int]:
-    """(width, height) of a PNG file, after checking its signature and header chunk."""
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", f"{path} is not a PNG"
-    return struct.unpack(">II", data[16:24])
+pytestmark = pytest.mark.workers
 
 
 def test_report_of_a_profiled_two_worker_run(tmp_path, tiny_config):

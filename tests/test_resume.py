@@ -2,9 +2,11 @@
 number of workers, and a kill during a checkpoint write leaves the previous one usable."""
 import pytest
 
-from conftest import WORKERS, horovodrun, load_params, step_losses, train_workers
+from helpers import (WORKERS, assert_same_losses, assert_same_params, horovodrun, load_params, step_losses,
+                     train_workers)
 from hvdtrain import checkpoint
-from test_equivalence import assert_same_losses, assert_same_params
+
+pytestmark = pytest.mark.workers
 
 STEPS, HALF = 8, 4
 
@@ -59,7 +61,7 @@ def test_kill_during_checkpoint_write_keeps_previous_checkpoint(tmp_path, tiny_c
 
 @pytest.mark.parametrize("rule,factor", [("linear", 2.0), ("sqrt", 2 ** 0.5)])
 def test_lr_scaling_at_two_workers(tmp_path, tiny_config, rule, factor):
-    from conftest import read_metrics
+    from helpers import read_metrics
     config = tiny_config({"train": {"max_steps": 4, "warmup_steps": 2, "schedule": "constant", "lr": 1e-3,
                                     "lr_scaling": rule}})
     train_workers(2, config, f"out_dir={tmp_path}")
@@ -72,7 +74,7 @@ def test_lr_scaling_at_two_workers(tmp_path, tiny_config, rule, factor):
 def test_resume_with_a_bigger_global_batch_continues_the_stream(tmp_path, tiny_config):
     """Stopped after 4 steps of 8 samples (stream position 32), resumed with 16 per step: steps
     5-8 read positions 32-95, so the sampler must start at its own step 2, not 4."""
-    from conftest import hvdtrain, read_metrics
+    from helpers import hvdtrain, read_metrics
     config = tiny_config({"train": {"max_steps": STEPS, "global_batch_size": 8}})
     out = tmp_path / "run"
     assert hvdtrain("train", config, f"out_dir={out}", f"train.stop_at_step={HALF}").returncode == 0

@@ -7,7 +7,9 @@ import pytest
 import torch
 import yaml
 
-from conftest import read_metrics, step_losses, train_workers
+from helpers import read_metrics, step_losses, train_workers
+
+pytestmark = pytest.mark.workers
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
@@ -52,8 +54,8 @@ def test_zero_grad_sets_gradients_to_none():
 def test_compiled_blocks_train_like_eager_with_two_workers(tmp_path, tiny_config):
     """model.compile compiles each transformer block (so Horovod's gradient hooks still fire
     during backward): same losses as eager to compiler rounding, identical ranks."""
-    from conftest import load_params
-    from test_equivalence import assert_same_params
+    from helpers import load_params
+    from helpers import assert_same_params
     config = tiny_config({"train": {"max_steps": 3}})
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
     train_workers(2, config, f"out_dir={eager}")

@@ -1,0 +1,118 @@
+"""metrics.jsonl: the records a run logs, built here and read back here.
+
+One JSON object per line. A training record per log interval:
+    step, loss (mean over the interval), step_losses (each step's), lr, world_size,
+    global_batch, grad_accum, tokens_per_s, tokens_per_s_per_worker, mfu (when a peak is known),
+    and with log.step_breakdown the step-time breakdown: time_<phase> for each of PHASES,
+    time_step, comm_fraction, compute_min/max, slowest_rank, fastest_rank, imbalance,
+    imbalance_warning and ranks (per-rank times of each phase).
+An evaluation record: step, eval_loss, eval_ppl, eval_accuracy.
+
+Writers: the training loop (through hvdtrain.run_log.RunLog). Readers: `hvdtrain report`,
+`hvdtrain plan --measured`, the benchmarks and the tests, all through `read_metrics` /
+`read_records`. This module imports no torch, so the CLI stays fast to start.
+"""
+import json
+from pathlib import Path
+
+from hvdtrain import flops
+from hvdtrain.errors import UserError
+
+PHASES = ("data", "forward", "backward", "allreduce", "optimizer")
+FILE_NAME = "metrics.jsonl"
+
+
+# ---------------------------------------------------------------- building records
+
+class Throughput:
+    """Tokens per second and model FLOPs utilisation (MFU) of a log interval."""
+
+    def __init__(self, cfg, vocab_size: int, world, global_batch: int):
+        self.world = world
+        self.tokens_per_step = global_batch * cfg.data.seq_len
+        self.flops_per_token = flops.model_flops_per_token(cfg, vocab_size)
+        self.peak, self.peak_source = None, None
+        if cfg.log.peak_tflops is not None:
+            self.peak, self.peak_source = cfg.log.peak_tflops, "log.peak_tflops"
+        elif world.device.type == "cuda":
+            import torch
+            self.peak, self.peak_source = flops.peak_tflops(torch.cuda.get_device_name(world.device),
+                                                            cfg.train.precision)
+        if world.is_main:
+            peak = f"{self.peak} TFLOP/s per GPU ({self.peak_source})" if self.peak else "none (no GPU peak known: no MFU)"
+            world.print(f"hvdtrain: {self.flops_per_token / 1e6:.1f} MFLOPs per token; MFU peak: {peak}")
+
+    def record(self, step_time: float) -> dict:
+        tokens_per_s = self.tokens_per_step / step_time if step_time > 0 else 0.0
+        out = {"tokens_per_s": tokens_per_s, "tokens_per_s_per_worker": tokens_per_s / self.world.size}
+        if self.peak:
+            out["mfu"] = flops.mfu(tokens_per_s, self.flops_per_token, self.peak * self.world.size)
+        return out
+
+
+def summarize_ranks(per_rank, threshold: float) -> dict:
+    """Breakdown and load imbalance from an array (world_size, len(PHASES) + 1) of per-step
+    means: the phases, then the whole step.
+
+    A rank's busy time is data + forward + backward: what it spends before it can join the
+    allreduce. The other ranks wait for the slowest one inside the allreduce, so a straggler
+    shows up as a large busy time on one rank and large allreduce time on the others."""
+    mean = per_rank.mean(axis=0)
+    record = {f"time_{p}": float(mean[i]) for i, p in enumerate(PHASES)}
+    record["time_step"] = float(mean[-1])
+    record["comm_fraction"] = record["time_allreduce"] / record["time_step"] if record["time_step"] > 0 else 0.0
+    compute = per_rank[:, 1] + per_rank[:, 2]
+    busy = per_rank[:, 0] + compute
+    record["compute_min"], record["compute_max"] = float(compute.min()), float(compute.max())
+    record["slowest_rank"], record["fastest_rank"] = int(busy.argmax()), int(busy.argmin())
+    record["imbalance"] = float((busy.max() - busy.min()) / busy.min()) if busy.min() > 0 else 0.0
+    record["imbalance_warning"] = record["imbalance"] > threshold and len(busy) > 1
+    record["ranks"] = {p: [float(v) for v in per_rank[:, i]] for i, p in enumerate(PHASES)}
+    record["ranks"]["step"] = [float(v) for v in per_rank[:, -1]]
+    return record
+
+
+def train_record(step: int, step_losses: list[float], lr: float, world_size: int, global_batch: int,
+                 grad_accum: int, throughput: dict, breakdown: dict | None) -> dict:
+    record = {"step": step, "loss": sum(step_losses) / len(step_losses), "step_losses": step_losses, "lr": lr,
+              "world_size": world_size, "global_batch": global_batch, "grad_accum": grad_accum, **throughput}
+    if breakdown is not None:
+        record.update(breakdown)
+    return record
+
+
+def is_eval(record: dict) -> bool:
+    return "eval_loss" in record
+
+
+# ---------------------------------------------------------------- reading them back
+
+def read_records(path: Path, what: str = "metrics file") -> list[dict]:
+    """Every record of a metrics.jsonl in file order; a damaged line is a UserError naming it."""
+    if not path.is_file():
+        raise UserError(f"{what}: no metrics file '{path}'")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise UserError(f"{what}: '{path}' line {number} is not JSON") from None
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
+    return records
+
+
+def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """(train records, eval records) of a run folder, in step order. A run resumed from a
+    checkpoint logs the steps after that checkpoint again; the later record is the one that counts."""
+    path = Path(run_dir) / FILE_NAME
+    if not path.is_file():
+        raise UserError(f"'{run_dir}' is not a run folder: {path} does not exist")
+    train, evals = {}, {}
+    for record in read_records(path):
+        (evals if is_eval(record) else train)[record["step"]] = record
+    if not train:
+        raise UserError(f"{path} has no training records yet")
+    return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)]

@@ -1,0 +1,100 @@
+"""What the tests share: tiny configs, real `horovodrun -np N --gloo` runs of hvdtrain, and
+comparisons of runs (losses step by step, parameters tensor by tensor)."""
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from hvdtrain.config import deep_merge
+from hvdtrain.metrics import read_metrics as read_run_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+WORKERS = Path(__file__).resolve().parent / "workers"
+RTOL = 1e-5
+
+# A GPT small enough for a step in milliseconds on one CPU core; no dropout, so runs with
+# different world sizes or accumulation must agree to rounding.
+TINY = {
+    "model": {"arch": "gpt2", "n_layer": 2, "n_head": 2, "d_model": 32, "dropout": 0.0},
+    "data": {"source": "synthetic", "seq_len": 16, "vocab_size": 128, "synthetic_samples": 256, "num_workers": 0},
+    "train": {"micro_batch_size": 4, "grad_accum": 1, "max_steps": 6, "lr": 1e-2, "warmup_steps": 2,
+              "schedule": "cosine", "precision": "fp32", "seed": 7},
+    "checkpoint": {"every": 0, "keep": 2},
+    "log": {"every": 1, "progress": False, "tensorboard": False},
+    "eval": {"every": 0, "batches": 2},
+}
+
+# Offline everywhere: tests never reach a hub.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def write_config(path: Path, overrides: dict | None = None, base: dict = TINY) -> Path:
+    """A YAML recipe: `base` deep-merged with `overrides`."""
+    path.write_text(yaml.safe_dump(deep_merge(base, overrides or {})))
+    return path
+
+
+def run_cmd(args: list, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ, **OFFLINE, **(env or {}))
+    return subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=timeout, env=full_env,
+                          cwd=REPO)
+
+
+def hvdtrain(*args, **kw) -> subprocess.CompletedProcess:
+    return run_cmd([BIN / "hvdtrain", *args], **kw)
+
+
+def horovodrun(np: int, script_args: list, **kw) -> subprocess.CompletedProcess:
+    """`horovodrun -np N --gloo python ...`: real worker processes talking through Gloo."""
+    return run_cmd([BIN / "horovodrun", "-np", np, "--gloo", sys.executable, *script_args], **kw)
+
+
+def train_workers(np: int, config: Path, *overrides, worker: str = "train_and_dump.py", **kw):
+    """Train with N real workers; each rank also dumps its final parameters (see workers/)."""
+    proc = horovodrun(np, [WORKERS / worker, config, *overrides], **kw)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def read_metrics(out_dir: Path) -> tuple[list[dict], list[dict]]:
+    """(train records, eval records) of a run folder's metrics.jsonl, in step order."""
+    return read_run_metrics(Path(out_dir))
+
+
+def step_losses(out_dir: Path) -> dict[int, float]:
+    """Per-step training loss by step number (log.every=1 gives one record per step)."""
+    out = {}
+    for record in read_metrics(out_dir)[0]:
+        first = record["step"] - len(record["step_losses"]) + 1
+        out.update({first + i: v for i, v in enumerate(record["step_losses"])})
+    return out
+
+
+def load_params(out_dir: Path, rank: int) -> dict:
+    from safetensors.torch import load_file
+    return load_file(str(Path(out_dir) / f"params_rank{rank}.safetensors"))
+
+
+def assert_same_losses(a: dict, b: dict, min_steps: int = 5):
+    assert len(a) >= min_steps and a.keys() == b.keys()
+    for step in a:
+        assert a[step] == pytest.approx(b[step], rel=RTOL), f"step {step}: {a[step]} vs {b[step]}"
+
+
+def assert_same_params(a: dict, b: dict, atol=0.0):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.allclose(a[name], b[name], rtol=0, atol=atol), name
+
+
+def png_size(path) -> tuple[int, int]:
+    """(width, height) of a PNG file, after checking its signature and header chunk."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", f"{path} is not a PNG"
+    return struct.unpack(">II", data[16:24])
