@@ -53,7 +53,7 @@ def bare_window(cfg: Config, data, steps: list[list[dict]], device) -> float:
     import torch
 
     from hvdtrain.models import IGNORE_INDEX, build_model, logits_and_labels, prepare
-    from hvdtrain.train import build_optimizer
+    from hvdtrain.optimizers import build_optimizer
 
     t = cfg.train
     torch.manual_seed(t.seed)

@@ -60,8 +60,9 @@ class TrainConfig:
     # When set, grad_accum is derived: global = micro_batch_size * grad_accum * world_size.
     global_batch_size: Optional[int] = None
     max_steps: int = 100
-    # Stop cleanly (with a checkpoint) after this step, as a preempted job would; rerunning the
-    # same command continues to max_steps. Useful for time-limited cluster allocations.
+    # A pause: a run that starts before this step stops cleanly after it, with a checkpoint (a
+    # planned end within a time-limited allocation). A run that resumes at or past it, such as
+    # the same command run again, ignores it and continues to max_steps. See last_step_of_run().
     stop_at_step: Optional[int] = None
     optimizer: Literal["adamw", "lamb"] = "adamw"
     lr: float = 3e-4
@@ -75,7 +76,7 @@ class TrainConfig:
     seed: int = 1234
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping off
-    # Testing aid: seconds of extra sleep per micro-batch on the ranks listed in slow_ranks.
+    # Testing aid: seconds of extra sleep per optimizer step on the ranks listed in slow_ranks.
     slow_ranks: list[int] = field(default_factory=list)
     slow_seconds: float = 0.0
 
@@ -87,7 +88,7 @@ class HorovodConfig:
     gradient_predivide_factor: float = 1.0
     fusion_threshold_mb: Optional[float] = None  # HOROVOD_FUSION_THRESHOLD
     cycle_time_ms: Optional[float] = None  # HOROVOD_CYCLE_TIME
-    timeline: Optional[str] = None  # HOROVOD_TIMELINE file (relative paths: inside out_dir)
+    timeline: Optional[str] = None  # Horovod timeline of the whole run (relative paths: inside out_dir)
     autotune: bool = False  # HOROVOD_AUTOTUNE
 
 
@@ -296,11 +297,20 @@ def validate(cfg: Config):
     _require(t.stop_at_step is None or 1 <= t.stop_at_step <= t.max_steps, "train.stop_at_step",
              f"null or a step in [1, train.max_steps={t.max_steps}]", t.stop_at_step)
     _require(t.lr > 0, "train.lr", "a number > 0", t.lr)
+    # The rate follows the global batch: scaling it with the workers is right only when the
+    # batch grows with them. With a fixed global batch it would jump on a resume elsewhere.
+    _require(t.lr_scaling == "none" or t.global_batch_size is None, "train.lr_scaling",
+             f"'none' while train.global_batch_size is fixed ({t.global_batch_size}), since the batch then "
+             "does not grow with the workers (or train.global_batch_size=null, to fix the per-worker batch)",
+             t.lr_scaling)
     _require(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", "a number in [0, 1]", t.min_lr_ratio)
     _require(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", "two numbers in [0, 1)", t.betas)
     _require(t.warmup_steps >= 0, "train.warmup_steps", "an integer >= 0", t.warmup_steps)
     _require(t.grad_clip >= 0, "train.grad_clip", "a number >= 0", t.grad_clip)
     _require(t.weight_decay >= 0, "train.weight_decay", "a number >= 0", t.weight_decay)
+    _require(t.optimizer != "lamb" or t.weight_decay > 0, "train.weight_decay",
+             "a number > 0 with train.optimizer 'lamb' (its trust ratio applies only to parameters with "
+             "weight decay, as in NVIDIA's FusedLAMB: with none, LAMB is Adam)", t.weight_decay)
     _require(d.seq_len >= 8, "data.seq_len", "an integer >= 8", d.seq_len)
     _require(0 < d.validation_fraction < 1, "data.validation_fraction", "a number in (0, 1)", d.validation_fraction)
     _require(0 < d.mlm_probability < 1, "data.mlm_probability", "a number in (0, 1)", d.mlm_probability)
@@ -321,6 +331,12 @@ def validate(cfg: Config):
     _require(cfg.eval.batches >= 1, "eval.batches", "an integer >= 1", cfg.eval.batches)
     _require(cfg.horovod.gradient_predivide_factor > 0, "horovod.gradient_predivide_factor", "a number > 0",
              cfg.horovod.gradient_predivide_factor)
+    if cfg.horovod.op == "adasum":
+        # Horovod's Adasum optimizer applies each update inside the backward hooks, before the
+        # token normalisation, fp16 unscaling and gradient clipping that every step needs.
+        raise UserError("config key 'horovod.op': 'adasum' is not supported (Horovod's Adasum optimizer steps "
+                        "inside backward, before hvdtrain's loss normalisation, clipping and fp16 unscaling); "
+                        "use 'average'")
     _require(cfg.horovod.op == "average" or cfg.horovod.gradient_predivide_factor == 1.0,
              "horovod.gradient_predivide_factor", "1.0 unless horovod.op is 'average'",
              cfg.horovod.gradient_predivide_factor)
@@ -339,3 +355,12 @@ def resolve_batch(cfg: Config, world_size: int) -> tuple[int, int]:
         raise UserError(f"config key 'train.global_batch_size': {t.global_batch_size} is not a multiple of "
                         f"train.micro_batch_size x workers = {t.micro_batch_size} x {world_size}")
     return t.global_batch_size // per_step, t.global_batch_size
+
+
+def last_step_of_run(t: TrainConfig, start_step: int) -> int:
+    """The step a run that starts (or resumes) at `start_step` ends after. train.stop_at_step
+    is a pause: it ends a run that starts before it, and a run that resumes at or past it,
+    such as the same command run again after that pause, continues to train.max_steps."""
+    if t.stop_at_step is not None and start_step < t.stop_at_step:
+        return t.stop_at_step
+    return t.max_steps

@@ -5,17 +5,20 @@ broadcast the starting state from rank 0, wrap the optimizer so gradients are av
 with allreduce while backward runs, and average metrics across ranks.
 """
 import os
-import random
+import shutil
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from hvdtrain import rng
 from hvdtrain.config import Config, HorovodConfig
 from hvdtrain.errors import UserError
 
-try:  # Imported lazily in the CLI's error path: doctor must work without Horovod.
+try:  # A missing Horovod is reported by `init` as a user error (run `make setup`), not an ImportError.
     import horovod.torch as hvd
 except ImportError:  # pragma: no cover - reported by `hvdtrain doctor` and `init`
     hvd = None
@@ -40,19 +43,22 @@ class World:
 
 
 def horovod_env(cfg: Config) -> dict:
-    """Horovod's tuning knobs are environment variables read by hvd.init()."""
+    """Horovod's tuning knobs are environment variables read by hvd.init().
+
+    The timeline and the autotune log are files Horovod opens inside hvd.init(), before the
+    run folder may exist (it is made only once every input has been checked). So the timeline
+    starts in DYNAMIC mode and `start_timeline` opens it in the run folder later, and the
+    autotune log goes to a temporary file that `keep_autotune_log` copies into the run folder."""
     h, env = cfg.horovod, {}
     if h.fusion_threshold_mb is not None:
         env["HOROVOD_FUSION_THRESHOLD"] = str(int(h.fusion_threshold_mb * 1024 * 1024))
     if h.cycle_time_ms is not None:
         env["HOROVOD_CYCLE_TIME"] = str(h.cycle_time_ms)
-    if h.timeline:
-        env["HOROVOD_TIMELINE"] = h.timeline if os.path.isabs(h.timeline) else os.path.join(cfg.out_dir, h.timeline)
-    elif cfg.profile.enabled and cfg.profile.timeline:
-        env["HOROVOD_TIMELINE"] = "DYNAMIC"  # started and stopped around the profiled steps
+    if h.timeline or (cfg.profile.enabled and cfg.profile.timeline):
+        env["HOROVOD_TIMELINE"] = "DYNAMIC"  # started and stopped by hvdtrain
     if h.autotune:
         env["HOROVOD_AUTOTUNE"] = "1"
-        env["HOROVOD_AUTOTUNE_LOG"] = os.path.join(cfg.out_dir, "horovod_autotune.csv")
+        env["HOROVOD_AUTOTUNE_LOG"] = os.path.join(tempfile.gettempdir(), f"hvdtrain-autotune-{os.getpid()}.csv")
     return env
 
 
@@ -72,21 +78,33 @@ def init(cfg: Config) -> World:
         if "OMP_NUM_THREADS" not in os.environ:  # share the host's cores between its workers
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
     world = World(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), device)
-    seed_everything(cfg.train.seed, world.rank)
+    rng.seed_everything(cfg.train.seed, world.rank)
     return world
 
 
-def seed_everything(seed: int, rank: int):
-    """Model init uses the same seed everywhere (and is broadcast anyway); dropout differs per rank."""
-    torch.manual_seed(seed)
-    random.seed(seed + rank)
-    np.random.seed((seed + rank) % 2**32)
+def timeline_path(cfg: Config) -> Path | None:
+    """horovod.timeline's file for the whole run (relative paths: inside out_dir), or None."""
+    if not cfg.horovod.timeline:
+        return None
+    path = Path(cfg.horovod.timeline)
+    return path if path.is_absolute() else Path(cfg.out_dir) / path
 
 
-def reseed_for_training(seed: int, rank: int, step: int):
-    """After the model is built: per-rank dropout streams, a function of (seed, rank, step) so a
-    resume with another world size still gets well-defined streams."""
-    torch.manual_seed(seed * 1_000_003 + rank * 7919 + step)
+def start_timeline(path: Path):
+    """Every rank calls it (the timeline is global); the coordinator writes the file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    hvd.start_timeline(str(path), mark_cycles=False)
+
+
+def stop_timeline():
+    hvd.stop_timeline()
+
+
+def keep_autotune_log(cfg: Config, world: World):
+    """Copy Horovod's autotune log (written by rank 0 to a temporary file) into the run folder."""
+    log = os.environ.get("HOROVOD_AUTOTUNE_LOG")
+    if cfg.horovod.autotune and world.is_main and log and os.path.isfile(log):
+        shutil.copyfile(log, Path(cfg.out_dir) / "horovod_autotune.csv")
 
 
 # ---------------------------------------------------------------- optimizer
@@ -103,7 +121,7 @@ def wrap_optimizer(optimizer, model, cfg: HorovodConfig, backward_passes_per_ste
     backward_passes_per_step = gradient accumulation steps, so the allreduce fires once per
     optimizer step, after the last micro batch, not once per micro batch."""
     compression = hvd.Compression.fp16 if cfg.compression == "fp16" else hvd.Compression.none
-    op = {"average": hvd.Average, "adasum": hvd.Adasum, "sum": hvd.Sum}[cfg.op]
+    op = {"average": hvd.Average, "sum": hvd.Sum}[cfg.op]
     return hvd.DistributedOptimizer(
         optimizer,
         named_parameters=model.named_parameters(),
@@ -122,29 +140,22 @@ class TokenNormalizer:
     The global token count is allreduced in the background while the model computes (no extra
     synchronisation point before the forward pass): backward runs on the loss times a constant
     `loss_scale` that is the same on every rank, and once the allreduce of gradients and of the
-    count are both done, `finish` multiplies the gradients by the exact correction.
-    Adasum combines per-rank gradients non-linearly, so there each rank uses its own token mean."""
+    count are both done, `finish` multiplies the gradients by the exact correction."""
 
     def __init__(self, op: str, world_size: int, expected_tokens: int):
         self.op, self.world_size = op, world_size
-        self.constant = 1.0 / expected_tokens
+        self.loss_scale = 1.0 / expected_tokens
 
     def start(self, local_targets: int):
-        self.local_targets = local_targets
         self.handle = allreduce_sum_async([local_targets], name="targets")
-
-    @property
-    def loss_scale(self) -> float:
-        return 1.0 / max(1, self.local_targets) if self.op == "adasum" else self.constant
 
     def finish(self, model) -> float:
         """Correct the reduced gradients; returns the global target count."""
         global_targets = max(1.0, wait_sum(self.handle)[0])
-        if self.op != "adasum":
-            # Average divided the sum over ranks by the world size; Sum did not.
-            factor = (self.world_size if self.op == "average" else 1) / (self.constant * global_targets)
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            torch._foreach_mul_(grads, factor)
+        # Average divided the sum over ranks by the world size; Sum did not.
+        factor = (self.world_size if self.op == "average" else 1) / (self.loss_scale * global_targets)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        torch._foreach_mul_(grads, factor)
         return global_targets
 
 

@@ -7,7 +7,6 @@ table of `key_averages()` is saved (and printed by rank 0). The Horovod timeline
 (OUT_DIR/profile/horovod_timeline.json) covers the same steps on all ranks, unless
 horovod.timeline already records the whole run.
 """
-import os
 from pathlib import Path
 
 import torch
@@ -16,8 +15,9 @@ from hvdtrain.config import ProfileConfig
 
 
 class Profiler:
-    def __init__(self, cfg: ProfileConfig, out_dir: str, world, timer):
+    def __init__(self, cfg: ProfileConfig, out_dir: str, world, timer, whole_run_timeline: bool):
         self.cfg, self.world, self.timer = cfg, world, timer
+        self.record_timeline = cfg.enabled and cfg.timeline and not whole_run_timeline
         self.dir = Path(out_dir) / "profile"
         self.step_count = 0
         self.prof = None
@@ -40,7 +40,7 @@ class Profiler:
         if not self.cfg.enabled:
             return
         self.step_count += 1
-        if self.cfg.timeline and os.environ.get("HOROVOD_TIMELINE") == "DYNAMIC":
+        if self.record_timeline:
             self.toggle_timeline()
         if self.prof is not None:
             self.prof.step()
@@ -79,7 +79,7 @@ class Profiler:
         if self.prof is not None:
             self.prof.stop()
             self.prof = None
-        if self.cfg.enabled and self.cfg.timeline and self.timeline_on:
+        if self.record_timeline and self.timeline_on:
             import horovod.torch as hvd
             hvd.stop_timeline()
             self.timeline_on = False

@@ -75,3 +75,53 @@ def test_existing_checkpoints_survive_an_incompatible_resume(tmp_path, tiny_conf
     assert proc.returncode == 2 and "'model.d_model'" in proc.stderr and "Traceback" not in proc.stderr
     after = {p: p.read_bytes() for p in (out / "checkpoints").rglob("*") if p.is_file()}
     assert before == after
+
+
+def test_adasum_is_refused_with_the_reason(tmp_path, tiny_config):
+    out = tmp_path / "run"
+    proc = hvdtrain("launch", "-np", "2", tiny_config(), f"out_dir={out}", "horovod.op=adasum")
+    assert_one_line_error(proc, ["'horovod.op'", "adasum", "'average'"], out)
+
+
+def test_a_fresh_run_never_mixes_with_an_earlier_run_in_its_folder(tmp_path, tiny_config):
+    """checkpoint.resume=false into a folder that holds a run: refused, nothing of it touched."""
+    config = tiny_config({"train": {"max_steps": 4}, "checkpoint": {"every": 2}})
+    out = tmp_path / "run"
+    assert hvdtrain("train", config, f"out_dir={out}").returncode == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    proc = hvdtrain("train", config, f"out_dir={out}", "checkpoint.resume=false", "train.max_steps=2")
+    assert proc.returncode == 2 and "checkpoint.resume is false" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert before == {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("key,value", [("model.max_position", 32), ("data.validation_fraction", 0.5),
+                                       ("data.synthetic_samples", 128)])
+def test_resume_refuses_a_change_of_shape_or_data(tmp_path, tiny_config, key, value):
+    config = tiny_config({"train": {"max_steps": 2}})
+    out = tmp_path / "run"
+    assert hvdtrain("train", config, f"out_dir={out}").returncode == 0
+    proc = hvdtrain("train", config, f"out_dir={out}", f"{key}={value}", "train.max_steps=4")
+    assert proc.returncode == 2 and f"'{key}'" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_crafted_pickle_in_a_run_folder_never_runs(tmp_path, tiny_config):
+    """A state.pt that would create a marker file when unpickled: resume and export refuse it
+    with one line, and the marker never appears."""
+    import pickle
+    marker = tmp_path / "marker"
+
+    class MakesAMarker:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    out = tmp_path / "run"
+    folder = out / "checkpoints" / "step_00000002"
+    folder.mkdir(parents=True)
+    (folder / "state.pt").write_bytes(pickle.dumps({"step": MakesAMarker()}))
+    for proc in (hvdtrain("train", tiny_config(), f"out_dir={out}"),
+                 hvdtrain("export", out, tmp_path / "exported")):
+        assert proc.returncode == 2, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and "pickle" in proc.stderr, proc.stderr
+    assert not marker.exists()

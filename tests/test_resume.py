@@ -47,16 +47,17 @@ def test_kill_during_checkpoint_write_keeps_previous_checkpoint(tmp_path, tiny_c
     proc = horovodrun(2, [WORKERS / "die_during_checkpoint.py", config, f"out_dir={out}", "4"])
     assert proc.returncode != 0
     assert any(p.name.startswith(".tmp-step_00000004") for p in checkpoint.checkpoint_dir(out).iterdir())
-    newest = checkpoint.latest_checkpoint(out)
+    newest = checkpoint.newest_intact_checkpoint(out)
     assert newest.name == "step_00000002"
-    state = checkpoint.load_state(newest)  # loadable
+    assert checkpoint.problem(newest) is None
+    state = checkpoint.read_state(newest)
     assert state["step"] == 2 and state["position"] == 2 * 8
     # The same command resumes from step 2 and finishes; the partial write is cleaned up.
     proc = train_workers(2, config, f"out_dir={out}")
     assert "resuming at step 2" in proc.stdout
     assert sorted(step_losses(out))[-1] == STEPS
     assert not [p for p in checkpoint.checkpoint_dir(out).iterdir() if p.name.startswith(".")]
-    assert checkpoint.latest_checkpoint(out).name == f"step_{STEPS:08d}"
+    assert checkpoint.newest_intact_checkpoint(out).name == f"step_{STEPS:08d}"
 
 
 @pytest.mark.parametrize("rule,factor", [("linear", 2.0), ("sqrt", 2 ** 0.5)])
@@ -83,4 +84,71 @@ def test_resume_with_a_bigger_global_batch_continues_the_stream(tmp_path, tiny_c
     records = read_metrics(out)[0]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert [r["global_batch"] for r in records] == [8] * HALF + [16] * HALF
-    assert checkpoint.load_state(checkpoint.latest_checkpoint(out))["position"] == HALF * 8 + HALF * 16
+    assert checkpoint.read_state(checkpoint.newest_intact_checkpoint(out))["position"] == HALF * 8 + HALF * 16
+
+
+def rewrite_checkpoint_file(folder, name, text):
+    """Change one file of a checkpoint and its manifest entry, as a run that wrote it would have."""
+    import json
+    import zlib
+    (folder / name).write_text(text)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    data = (folder / name).read_bytes()
+    manifest["files"][name] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_fp16_resume_gives_every_rank_the_saved_loss_scale(tmp_path, tiny_config):
+    """The checkpoint's grad scaler says 1024 (as after overflows); the default is 65536. Every
+    rank must resume with 1024, or the averaged gradients are unscaled by different factors and
+    the replicas drift apart. (No clipping: it would hide the difference in scale.)"""
+    import json
+    config = tiny_config({"train": {"max_steps": STEPS, "precision": "fp16", "grad_clip": 0.0},
+                          "checkpoint": {"every": 2}})
+    out = tmp_path / "run"
+    train_workers(2, config, f"out_dir={out}", f"train.stop_at_step={HALF}")
+    newest = checkpoint.newest_intact_checkpoint(out)
+    state = checkpoint.read_state(newest)
+    assert state["scaler"]["scale"] == 65536.0
+    state["scaler"]["scale"] = 1024.0
+    rewrite_checkpoint_file(newest, "state.json", json.dumps(state))
+    train_workers(2, config, f"out_dir={out}")
+    assert_same_params(load_params(out, 0), load_params(out, 1))
+    assert checkpoint.read_state(checkpoint.newest_intact_checkpoint(out))["scaler"]["scale"] == 1024.0
+
+
+def test_resume_with_dropout_equals_straight_run(tmp_path, tiny_config):
+    """Dropout draws from each rank's RNG: the resumed run must draw exactly what the straight
+    run drew (the data loader must not consume the restored RNG)."""
+    config = tiny_config({"model": {"dropout": 0.1}, "train": {"max_steps": STEPS}, "checkpoint": {"every": 2}})
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train_workers(2, config, f"out_dir={straight}")
+    train_workers(2, config, f"out_dir={resumed}", f"train.stop_at_step={HALF}")
+    train_workers(2, config, f"out_dir={resumed}")
+    assert step_losses(straight) == step_losses(resumed)
+    assert_same_params(load_params(straight, 0), load_params(resumed, 0))
+
+
+def test_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes_before_it(tmp_path, tiny_config):
+    import os
+    config = tiny_config({"train": {"max_steps": STEPS}, "checkpoint": {"every": 2, "keep": 3}})
+    straight, out = tmp_path / "straight", tmp_path / "run"
+    train_workers(2, config, f"out_dir={straight}")
+    train_workers(2, config, f"out_dir={out}", f"train.stop_at_step={HALF}")
+    newest = checkpoint.newest_intact_checkpoint(out)
+    os.truncate(newest / "optimizer.safetensors", 100)
+    proc = train_workers(2, config, f"out_dir={out}")
+    assert "resuming at step 2" in proc.stdout
+    assert "optimizer.safetensors has 100 bytes" in proc.stdout + proc.stderr
+    assert (checkpoint.checkpoint_dir(out) / "damaged-step_00000004").is_dir()
+    assert_same_losses(step_losses(straight), step_losses(out), min_steps=STEPS)
+
+
+def test_horovod_timeline_and_autotune_log_land_in_a_new_run_folder(tmp_path, tiny_config):
+    import json
+    out = tmp_path / "run"
+    train_workers(2, tiny_config({"train": {"max_steps": 3}}), f"out_dir={out}", "horovod.timeline=timeline.json",
+                  "horovod.autotune=true")
+    events = json.loads((out / "timeline.json").read_text())  # closed: the run stopped the timeline
+    assert any("ALLREDUCE" in str(e) for e in events)
+    assert (out / "horovod_autotune.csv").read_text().startswith("hierarchical_allreduce,")

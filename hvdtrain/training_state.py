@@ -1,0 +1,102 @@
+"""The training state: everything a checkpoint saves and a resume restores, owned in one place.
+
+    model, optimizer, grad scaler      the numbers being trained
+    step, position                     optimizer steps taken; samples of the data stream consumed
+    RNG states of every rank           so dropout continues exactly (hvdtrain.rng)
+    the config and world size          to check a resume is compatible and to rebuild the model
+
+`save` and `restore` are collective: every rank calls them at the same point. Rank 0 reads
+and writes the files (hvdtrain.checkpoint); what every rank must hold equal after a resume
+(weights, optimizer state, loss scale, progress) is broadcast from rank 0, so the replicas
+cannot drift apart.
+"""
+from pathlib import Path
+
+from hvdtrain import checkpoint, distributed, rng
+from hvdtrain.config import Config
+from hvdtrain.errors import UserError
+
+# A resume must continue the same model on the same sample stream: every key of the `model`
+# and `data` sections must match the checkpoint's, except these, which change how the run
+# executes, not what it computes. (A new key is thus checked unless it is added here.)
+MAY_CHANGE_ON_RESUME = {"model.dropout", "model.compile", "model.activation_checkpointing", "data.num_workers",
+                        "data.num_proc", "data.cache_dir"}
+ALSO_MUST_MATCH = ("train.seed",)  # the sample order and the masks are drawn from it
+
+
+def resume_problem(saved: dict, cfg: Config, path: Path) -> str | None:
+    """Why the checkpoint at `path` (its saved config `saved`) cannot continue `cfg`, or None."""
+    current = cfg.to_dict()
+    keys = [f"{section}.{key}" for section in ("model", "data") for key in current[section]]
+    for dotted in [k for k in keys if k not in MAY_CHANGE_ON_RESUME] + list(ALSO_MUST_MATCH):
+        section, key = dotted.split(".")
+        now, then = current[section][key], saved.get(section, {}).get(key)
+        if now != then:
+            return (f"config key '{dotted}' is {now!r} but the checkpoint {path} was written with {then!r}; "
+                    f"use another out_dir to start afresh")
+    return None
+
+
+def find_resume_checkpoint(cfg: Config, world) -> Path | None:
+    """The checkpoint this run continues from, decided on rank 0 and told to every rank.
+
+    A crash's leftovers are recovered first, damaged checkpoints set aside. With
+    checkpoint.resume=false a folder that already holds a run is refused: a new run must
+    neither delete the old run's checkpoints nor append to its metrics."""
+    path, problem = None, None
+    if world.is_main:
+        try:
+            checkpoint.recover_interrupted_writes(cfg.out_dir)
+            if cfg.checkpoint.resume:
+                path = checkpoint.newest_intact_checkpoint(cfg.out_dir)
+                if path is not None:
+                    problem = resume_problem(checkpoint.read_state(path)["config"], cfg, path)
+            elif checkpoint.list_checkpoints(cfg.out_dir) or (Path(cfg.out_dir) / "metrics.jsonl").exists():
+                problem = (f"out_dir '{cfg.out_dir}' holds another run and checkpoint.resume is false; choose "
+                           f"another out_dir, or move that run away first")
+        except UserError as e:
+            problem = str(e)
+    path, problem = distributed.broadcast_object((path, problem), name="resume_checkpoint")
+    if problem:
+        raise UserError(problem)
+    return path
+
+
+class TrainingState:
+    def __init__(self, model, optimizer, scaler, world, cfg: Config):
+        self.model, self.optimizer, self.scaler = model, optimizer, scaler
+        self.world, self.cfg = world, cfg
+        self.step = 0
+        self.position = 0
+
+    def restore(self, path: Path | None):
+        """Start from `path` (a checkpoint, read on rank 0) or afresh; collective."""
+        saved = None
+        if path is not None and self.world.is_main:
+            checkpoint.load_weights(self.model, path)
+            checkpoint.load_optimizer(self.optimizer, self.model, path)
+            saved = checkpoint.read_state(path)
+            saved["rngs"] = checkpoint.read_rngs(path, saved["world_size"])
+        distributed.broadcast_state(self.model, self.optimizer, resumed=path is not None)
+        saved = distributed.broadcast_object(saved, name="training_state")
+        seed, rank = self.cfg.train.seed, self.world.rank
+        if saved is None:
+            rng.reseed_for_training(seed, rank, 0)
+            return
+        self.step, self.position = saved["step"], saved["position"]
+        if saved["scaler"] and self.scaler.is_enabled():  # the same loss scale on every rank
+            self.scaler.load_state_dict(saved["scaler"])
+        if saved["world_size"] == self.world.size:
+            rng.restore(saved["rngs"][rank])
+        else:  # another world size: no rank's stream continues, derive new ones
+            rng.reseed_for_training(seed, rank, self.step)
+
+    def save(self):
+        """Write a checkpoint of the current step; collective (every rank gives its RNG state)."""
+        rngs = distributed.allgather_object(rng.capture(), name="rng")
+        if self.world.is_main:
+            checkpoint.save_checkpoint(
+                self.cfg.out_dir, self.step, self.model, self.optimizer,
+                {"step": self.step, "position": self.position, "world_size": self.world.size,
+                 "scaler": self.scaler.state_dict(), "config": self.cfg.to_dict()},
+                rngs, keep=self.cfg.checkpoint.keep)
