@@ -23,6 +23,24 @@ def model_dims(cfg) -> dict:
                 vocab_size=cfg.data.vocab_size, max_position=m.max_position or cfg.data.seq_len)
 
 
+def built_model_dims(config) -> Optional[dict]:
+    """The shape of a model that exists, from its transformers config (GPT2Config or
+    BertConfig): keyword arguments for count_params and flops_params. Training counts FLOPs
+    from this rather than from model_dims(cfg): a `model.pretrained` checkpoint has its own
+    sizes, which the model.* keys do not describe, and a model built here has its vocabulary
+    padded to a multiple of 64. None for another model type (a pretrained model of another
+    family), whose parameters these formulas do not count."""
+    if config.model_type == "gpt2":
+        return dict(arch="gpt2", n_layer=config.n_layer, d_model=config.n_embd,
+                    d_ff=config.n_inner or 4 * config.n_embd, vocab_size=config.vocab_size,
+                    max_position=config.n_positions, tied_embeddings=config.tie_word_embeddings)
+    if config.model_type == "bert":
+        return dict(arch="bert", n_layer=config.num_hidden_layers, d_model=config.hidden_size,
+                    d_ff=config.intermediate_size, vocab_size=config.vocab_size,
+                    max_position=config.max_position_embeddings, tied_embeddings=config.tie_word_embeddings)
+    return None
+
+
 def count_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: int, max_position: int,
                  tied_embeddings: bool = True) -> int:
     """Parameters of HF GPT2LMHeadModel / BertForMaskedLM, counted as
@@ -96,12 +114,12 @@ def flops_per_token(n_params: float, n_layer: int, d_model: int, seq_len: int) -
     return 6.0 * n_params + 12.0 * n_layer * d_model * seq_len
 
 
-def model_flops_per_token(cfg, vocab_size: Optional[int] = None) -> float:
-    """Training FLOPs per token of the model a Config describes; `vocab_size`: the tokenizer's
-    real size when known (default data.vocab_size)."""
-    dims = model_dims(cfg)
-    if vocab_size is not None:
-        dims["vocab_size"] = vocab_size
+def model_flops_per_token(cfg, dims: Optional[dict] = None) -> float:
+    """Training FLOPs per token of a model of shape `dims` (built_model_dims of the real model;
+    default model_dims(cfg), the shape the config describes) trained as `cfg` says: its
+    sequence length and, for BERT, its masking rate."""
+    if dims is None:
+        dims = model_dims(cfg)
     n = flops_params(**dims, head_fraction=head_fraction(cfg))
     return flops_per_token(n, dims["n_layer"], dims["d_model"], cfg.data.seq_len)
 
@@ -114,21 +132,22 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak_tflops_total: float) -
 
 @dataclass(frozen=True)
 class GpuSpec:
-    """One GPU model: dense (no 2:4 sparsity) peak TFLOP/s per precision and memory.
+    """One GPU model: dense (no 2:4 sparsity) peak TFLOP/s per matmul format, and memory.
 
     bf16/fp16 are tensor-core rates with fp32 accumulation (what PyTorch autocast uses; on
-    GeForce cards that is half the fp16-accumulate rate). fp32 is the plain CUDA-core rate:
-    PyTorch does not use TF32 for matmuls unless torch.backends.cuda.matmul.allow_tf32 is set.
-    None: the GPU has no tensor-core path for that precision (bf16 before Ampere), or the
-    vendor publishes no figure. memory_gib: nominal memory (the driver keeps 1-2% of it).
-    Sources: NVIDIA datasheets and architecture whitepapers (Volta, Ampere GA100/GA102, Ada,
-    Hopper, H200 and HGX B200 product briefs).
+    GeForce cards that is half the fp16-accumulate rate). tf32 is the tensor-core rate for fp32
+    matmuls run in TF32, fp32 the plain CUDA-core rate. None: the GPU has no tensor-core path
+    for that format (bf16 and TF32 before Ampere), or the vendor publishes no figure.
+    memory_gib: nominal memory (the driver keeps 1-2% of it). Sources: NVIDIA datasheets and
+    architecture whitepapers (Volta, Ampere GA100/GA102, Ada, Hopper, H200 and HGX B200
+    product briefs); datasheets quote tensor-core rates with sparsity, these are half of those.
     """
     name: str
     pattern: str  # regex, searched case-insensitively in the device name
     memory_gib: float
     bf16: Optional[float]
     fp16: Optional[float]
+    tf32: Optional[float]
     fp32: Optional[float]
 
 
@@ -137,24 +156,25 @@ class GpuSpec:
 # Names as torch.cuda.get_device_name() reports them: "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe",
 # "NVIDIA A100-SXM4-40GB", "NVIDIA A100 80GB PCIe", "NVIDIA H200", "Tesla V100-SXM2-32GB", ...
 GPUS = [
-    GpuSpec("B200", r"\bB200\b", 180, 2250, 2250, None),
-    GpuSpec("H200 NVL", r"\bH200\b.*\bNVL\b", 141, 835, 835, 60),
-    GpuSpec("H200", r"\bH200\b", 141, 989, 989, 67),
-    GpuSpec("H100 PCIe", r"\bH100\b.*\bPCIe\b", 80, 756, 756, 51),
-    GpuSpec("H100 NVL", r"\bH100\b.*\bNVL\b", 94, 835, 835, 60),
-    GpuSpec("H100 SXM", r"\bH100\b", 80, 989, 989, 67),
-    GpuSpec("A100 40GB", r"\bA100\b.*\b40\s*GB\b", 40, 312, 312, 19.5),
-    GpuSpec("A100 80GB", r"\bA100\b", 80, 312, 312, 19.5),
-    GpuSpec("L40S", r"\bL40S\b", 48, 362, 362, 91.6),
-    GpuSpec("L40", r"\bL40\b", 48, 181, 181, 90.5),
-    GpuSpec("L4", r"\bL4\b", 24, 121, 121, 30.3),
-    GpuSpec("A40", r"\bA40\b", 48, 149.7, 149.7, 37.4),
-    GpuSpec("A10", r"\bA10\b", 24, 125, 125, 31.2),
-    GpuSpec("RTX 4090", r"\bRTX\s*4090\b", 24, 165.2, 165.2, 82.6),
-    GpuSpec("RTX 3090", r"\bRTX\s*3090\b", 24, 71, 71, 35.6),
-    GpuSpec("V100 32GB", r"\bV100\b.*\b32\s*GB\b", 32, None, 125, 15.7),  # SXM2 figures
-    GpuSpec("V100 16GB", r"\bV100\b", 16, None, 125, 15.7),
-    GpuSpec("T4", r"\bT4\b", 16, None, 65, 8.1),
+    #       name          pattern                    GiB   bf16    fp16    tf32    fp32
+    GpuSpec("B200",       r"\bB200\b",               180,  2250,   2250,   1100,   75),
+    GpuSpec("H200 NVL",   r"\bH200\b.*\bNVL\b",      141,  835,    835,    417.5,  60),
+    GpuSpec("H200",       r"\bH200\b",               141,  989,    989,    494.5,  67),
+    GpuSpec("H100 PCIe",  r"\bH100\b.*\bPCIe\b",     80,   756,    756,    378,    51),
+    GpuSpec("H100 NVL",   r"\bH100\b.*\bNVL\b",      94,   835,    835,    417.5,  60),
+    GpuSpec("H100 SXM",   r"\bH100\b",               80,   989,    989,    494.5,  67),
+    GpuSpec("A100 40GB",  r"\bA100\b.*\b40\s*GB\b",  40,   312,    312,    156,    19.5),
+    GpuSpec("A100 80GB",  r"\bA100\b",               80,   312,    312,    156,    19.5),
+    GpuSpec("L40S",       r"\bL40S\b",               48,   362,    362,    183,    91.6),
+    GpuSpec("L40",        r"\bL40\b",                48,   181,    181,    90.5,   90.5),
+    GpuSpec("L4",         r"\bL4\b",                 24,   121,    121,    60,     30.3),
+    GpuSpec("A40",        r"\bA40\b",                48,   149.7,  149.7,  74.8,   37.4),
+    GpuSpec("A10",        r"\bA10\b",                24,   125,    125,    62.5,   31.2),
+    GpuSpec("RTX 4090",   r"\bRTX\s*4090\b",         24,   165.2,  165.2,  82.6,   82.6),
+    GpuSpec("RTX 3090",   r"\bRTX\s*3090\b",         24,   71,     71,     35.6,   35.6),
+    GpuSpec("V100 32GB",  r"\bV100\b.*\b32\s*GB\b",  32,   None,   125,    None,   15.7),  # SXM2 figures
+    GpuSpec("V100 16GB",  r"\bV100\b",               16,   None,   125,    None,   15.7),
+    GpuSpec("T4",         r"\bT4\b",                 16,   None,   65,     None,   8.1),
 ]
 
 
@@ -167,14 +187,21 @@ def find_gpu(name: str) -> Optional[GpuSpec]:
 
 
 def peak_tflops(gpu_name: str, precision: str) -> tuple[Optional[float], str]:
-    """(dense peak TFLOP/s of one GPU at `precision`, which table entry gave it). The value is
-    None on a CPU, an unknown GPU, or a precision the GPU has no figure for; the text says why."""
+    """(dense peak TFLOP/s of one GPU for a run at train.precision `precision`, which table
+    entry gave it). The value is None on a CPU, an unknown GPU, or a precision the GPU has no
+    figure for; the text says why.
+
+    fp32 runs do their matmuls in TF32 where the GPU has it (hvdtrain.distributed.init sets
+    torch.backends.cuda.matmul.allow_tf32), so their peak is the TF32 tensor-core rate, 7-8x
+    the plain fp32 one on A100 and H100: against the plain rate, MFU would pass 100%.
+    """
     if precision not in ("bf16", "fp16", "fp32"):
         raise ValueError(f"unknown precision {precision!r}")
     spec = find_gpu(gpu_name)
     if spec is None:
         return None, f"no peak-throughput entry for device {gpu_name!r}"
-    value = getattr(spec, precision)
+    matmul = "tf32" if precision == "fp32" and spec.tf32 is not None else precision
+    value = getattr(spec, matmul)
     if value is None:
-        return None, f"{spec.name}: no dense {precision} figure"
-    return float(value), f"{spec.name} {precision} dense"
+        return None, f"{spec.name}: no dense {matmul} figure"
+    return float(value), f"{spec.name} {matmul} dense"

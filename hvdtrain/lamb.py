@@ -1,11 +1,29 @@
-"""LAMB (You et al. 2019, "Large Batch Optimization for Deep Learning"), as used for BERT
-pretraining at global batches of 32k-64k sequences.
+"""LAMB (You et al. 2019, "Large Batch Optimization for Deep Learning: Training BERT in 76
+minutes"), as NVIDIA's BERT pretraining recipe runs it at global batches of 32k-64k sequences.
 
-Adam's update direction, rescaled per parameter tensor by the trust ratio ||w|| / ||update||,
-so every layer moves by a similar relative amount however large the learning rate. This is
-the "LAMB v2" form of NVIDIA's FusedLAMB (bias-corrected moments, weight decay inside the
-trust ratio). Written here because no maintained LAMB on PyPI installs without apex or
-torchvision; it is small and checked against the formula in tests/test_lamb.py.
+Per parameter tensor p with gradient g, at step t:
+    m = beta1 m + (1 - beta1) g,   v = beta2 v + (1 - beta2) g^2          (Adam's moments)
+    u = (m / (1 - beta1^t)) / (sqrt(v / (1 - beta2^t)) + eps) + weight_decay p
+    p = p - lr * trust * u,   trust = ||p|| / ||u||   (1 when either norm is 0)
+with the trust ratio only for tensors whose param group has weight_decay != 0. The others,
+biases and LayerNorm weights in hvdtrain (weight decay on matrices only), take the plain Adam
+step lr * u.
+
+The paper's Algorithm 2 scales every layer by its trust ratio (with a scaling function phi of
+||p||, the identity here as in FusedLAMB). NVIDIA's recipe does not: its BERT
+run_pretraining.py (DeepLearningExamples, PyTorch/LanguageModeling/BERT) puts biases and
+LayerNorm parameters in a group with weight_decay 0.0 and steps apex's FusedLAMB with its
+default use_nvlamb=False, whose kernel (csrc/multi_tensor_lamb.cu, LAMBStage2Functor) applies
+the ratio "only to those with non-zero weight decay". TensorFlow Addons' LAMB likewise
+exempts from the ratio what it exempts from weight decay (exclude_from_layer_adaptation
+defaults to exclude_from_weight_decay). The BERT-large hyperparameters that bert-large.yaml
+takes from NVIDIA's recipe were tuned with this rule, so it is the one here. The rest also
+matches FusedLAMB's defaults: bias-corrected moments, decoupled weight decay inside the trust
+ratio (adam_w_mode=True), eps outside the square root; its clipping to a global gradient norm
+of 1.0 is train.grad_clip here, applied before the step.
+
+Written here because no maintained LAMB on PyPI installs without apex or torchvision; it is
+small and checked against the formula in tests/test_lamb.py.
 """
 import torch
 
@@ -33,8 +51,10 @@ class Lamb(torch.optim.Optimizer):
                 m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
                 v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
                 update = (m / (1 - beta1 ** t)) / ((v / (1 - beta2 ** t)).sqrt_().add_(group["eps"]))
-                if group["weight_decay"]:
-                    update.add_(p, alpha=group["weight_decay"])
+                if group["weight_decay"] == 0:  # no decay, no trust ratio (FusedLAMB, use_nvlamb=False)
+                    p.sub_(update, alpha=group["lr"])
+                    continue
+                update.add_(p, alpha=group["weight_decay"])
                 w_norm, u_norm = p.norm(), update.norm()
                 trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
                 p.sub_(update * (group["lr"] * trust))

@@ -25,12 +25,16 @@ FILE_NAME = "metrics.jsonl"
 # ---------------------------------------------------------------- building records
 
 class Throughput:
-    """Tokens per second and model FLOPs utilisation (MFU) of a log interval."""
+    """Tokens per second and model FLOPs utilisation (MFU) of a log interval.
 
-    def __init__(self, cfg, vocab_size: int, world, global_batch: int):
+    `model_config` is the trained model's own transformers config: FLOPs per token come from
+    its sizes (a `model.pretrained` checkpoint's, the vocabulary as built), not from model.*."""
+
+    def __init__(self, cfg, model_config, world, global_batch: int):
         self.world = world
         self.tokens_per_step = global_batch * cfg.data.seq_len
-        self.flops_per_token = flops.model_flops_per_token(cfg, vocab_size)
+        dims = flops.built_model_dims(model_config)
+        self.flops_per_token = flops.model_flops_per_token(cfg, dims) if dims else None
         self.peak, self.peak_source = None, None
         if cfg.log.peak_tflops is not None:
             self.peak, self.peak_source = cfg.log.peak_tflops, "log.peak_tflops"
@@ -39,13 +43,18 @@ class Throughput:
             self.peak, self.peak_source = flops.peak_tflops(torch.cuda.get_device_name(world.device),
                                                             cfg.train.precision)
         if world.is_main:
-            peak = f"{self.peak} TFLOP/s per GPU ({self.peak_source})" if self.peak else "none (no GPU peak known: no MFU)"
-            world.print(f"hvdtrain: {self.flops_per_token / 1e6:.1f} MFLOPs per token; MFU peak: {peak}")
+            if self.flops_per_token is None:
+                world.print(f"hvdtrain: no FLOPs count for model type '{model_config.model_type}' "
+                            "(only gpt2 and bert): no MFU")
+            else:
+                peak = (f"{self.peak} TFLOP/s per GPU ({self.peak_source})" if self.peak
+                        else "none (no GPU peak known: no MFU)")
+                world.print(f"hvdtrain: {self.flops_per_token / 1e6:.1f} MFLOPs per token; MFU peak: {peak}")
 
     def record(self, step_time: float) -> dict:
         tokens_per_s = self.tokens_per_step / step_time if step_time > 0 else 0.0
         out = {"tokens_per_s": tokens_per_s, "tokens_per_s_per_worker": tokens_per_s / self.world.size}
-        if self.peak:
+        if self.peak and self.flops_per_token:
             out["mfu"] = flops.mfu(tokens_per_s, self.flops_per_token, self.peak * self.world.size)
         return out
 

@@ -1,7 +1,8 @@
-"""Config loading: YAML, inheritance, overrides and their types."""
+"""Config loading: YAML, inheritance, overrides and their types; checks that combine keys;
+the step a run ends after."""
 import pytest
 
-from hvdtrain.config import load_config
+from hvdtrain.config import last_step_of_run, load_config
 from hvdtrain.errors import UserError
 
 
@@ -33,3 +34,37 @@ def test_every_shipped_recipe_loads():
     assert len(recipes) >= 8
     for recipe in recipes:
         load_config(str(recipe))
+
+
+def test_lr_scaling_needs_a_batch_that_grows_with_the_workers(tmp_path):
+    """With train.global_batch_size fixed the batch is the same at every world size: scaling
+    the rate by the workers would only make it jump when a resume changes their number."""
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  global_batch_size: 64\n")
+    for rule in ("linear", "sqrt"):
+        with pytest.raises(UserError, match=r"'train.lr_scaling'.*train.global_batch_size is fixed \(64\)"):
+            load_config(str(path), [f"train.lr_scaling={rule}"])
+    assert load_config(str(path), ["train.lr_scaling=none"]).train.lr_scaling == "none"
+    scaled = load_config(str(path), ["train.lr_scaling=linear", "train.global_batch_size=null"])
+    assert scaled.train.lr_scaling == "linear"
+
+
+def test_lamb_needs_weight_decay():
+    """LAMB's trust ratio applies to the parameters with weight decay only (hvdtrain.lamb)."""
+    with pytest.raises(UserError, match=r"'train.weight_decay'.*'lamb'"):
+        load_config(None, ["train.optimizer=lamb", "train.weight_decay=0"])
+    assert load_config(None, ["train.optimizer=lamb", "train.weight_decay=0.01"]).train.optimizer == "lamb"
+    assert load_config(None, ["train.weight_decay=0"]).train.weight_decay == 0.0  # AdamW: fine
+
+
+@pytest.mark.parametrize("stop_at_step, start_step, expected", [
+    (None, 0, 10),  # no pause
+    (4, 0, 4),      # a fresh run pauses there
+    (4, 2, 4),      # so does one resumed before it
+    (4, 4, 10),     # the same command after the pause continues to max_steps
+    (4, 6, 10),
+])
+def test_stop_at_step_is_a_pause(stop_at_step, start_step, expected):
+    cfg = load_config(None, ["train.max_steps=10"])
+    cfg.train.stop_at_step = stop_at_step
+    assert last_step_of_run(cfg.train, start_step) == expected

@@ -1,9 +1,13 @@
 """hvdtrain.flops: parameter counts against hand arithmetic and against transformers' own
-models, the 6N + 12·L·d·T formula, the GPU peak table's name matching, and MFU."""
+models, the 6N + 12·L·d·T formula, the GPU peak table's name matching, and MFU, also as
+metrics.Throughput measures it in training."""
+import types
+
 import pytest
 
 from hvdtrain.config import config_from_dict
-from hvdtrain.flops import count_params, flops_params, flops_per_token, mfu, model_flops_per_token, peak_tflops
+from hvdtrain.flops import (built_model_dims, count_params, flops_params, flops_per_token, mfu, model_dims,
+                            model_flops_per_token, peak_tflops)
 
 GPT2_124M = dict(arch="gpt2", n_layer=12, d_model=768, d_ff=3072, vocab_size=50257, max_position=1024)
 BERT_LARGE = dict(arch="bert", n_layer=24, d_model=1024, d_ff=4096, vocab_size=30522, max_position=512)
@@ -46,7 +50,7 @@ def test_bert_head_counts_only_for_masked_positions():
 def test_model_flops_per_token_gpt2_from_config():
     cfg = config_from_dict({"model": {"arch": "gpt2", "n_layer": 12, "n_head": 12, "d_model": 768},
                             "data": {"seq_len": 1024, "vocab_size": 4096}})
-    assert model_flops_per_token(cfg, vocab_size=50257) == 855_166_464  # the tokenizer's size wins
+    assert model_flops_per_token(cfg, dict(model_dims(cfg), vocab_size=50257)) == 855_166_464  # the real model's
     assert model_flops_per_token(cfg) == 855_166_464 - 6 * (50257 - 4096) * 768
 
 
@@ -80,6 +84,51 @@ def _hf_model(arch, n_layer, d_model, d_ff, vocab_size, max_position, tied):
 def test_count_matches_transformers(dims, tied):
     model = _hf_model(**dims, tied=tied)
     assert count_params(**dims, tied_embeddings=tied) == sum(p.numel() for p in model.parameters())
+    # the shape read back from the model's own config counts the same
+    assert built_model_dims(model.config) == dict(dims, tied_embeddings=tied)
+    assert count_params(**built_model_dims(model.config)) == sum(p.numel() for p in model.parameters())
+
+
+def test_other_model_types_have_no_dims():
+    assert built_model_dims(types.SimpleNamespace(model_type="llama")) is None
+
+
+class _World:
+    """The part of distributed.World that Throughput reads: one CPU worker, rank 0."""
+    size, is_main = 1, True
+    device = types.SimpleNamespace(type="cpu")
+
+    def __init__(self):
+        self.printed = []
+
+    def print(self, text):
+        self.printed.append(text)
+
+
+def test_throughput_counts_the_real_model_not_the_config():
+    """With model.pretrained the model.* keys do not describe the model: a 3 x 96 checkpoint
+    trained under a config that says 2 x 64 (the defaults) runs at the checkpoint's FLOPs."""
+    from hvdtrain.metrics import Throughput
+    cfg = config_from_dict({"model": {"pretrained": "some/checkpoint"},
+                            "data": {"seq_len": 64, "vocab_size": 4096}, "log": {"peak_tflops": 1.0}})
+    real = dict(arch="gpt2", n_layer=3, d_model=96, d_ff=200, vocab_size=257, max_position=64)
+    model = _hf_model(**real, tied=False)
+    world = _World()
+    throughput = Throughput(cfg, model.config, world, global_batch=8)
+    expected = flops_per_token(flops_params(**real, tied_embeddings=False), 3, 96, 64)
+    assert throughput.flops_per_token == expected != model_flops_per_token(cfg)
+    assert f"{expected / 1e6:.1f} MFLOPs per token" in world.printed[0]
+    record = throughput.record(step_time=0.5)  # 8 x 64 tokens in 0.5 s
+    assert record["tokens_per_s"] == 1024 and record["mfu"] == pytest.approx(1024 * expected / 1e12)
+
+
+def test_throughput_of_an_uncounted_model_type_has_no_mfu():
+    from hvdtrain.metrics import Throughput
+    cfg = config_from_dict({"log": {"peak_tflops": 1.0}})
+    world = _World()
+    throughput = Throughput(cfg, types.SimpleNamespace(model_type="llama"), world, global_batch=8)
+    assert "mfu" not in throughput.record(step_time=0.5)
+    assert "no FLOPs count for model type 'llama'" in world.printed[0]
 
 
 def test_flops_per_token_gpt2_124m():
@@ -94,8 +143,11 @@ def test_flops_per_token_gpt2_124m():
     ("NVIDIA H200", "bf16", 989, "H200"),
     ("NVIDIA A100-SXM4-80GB", "bf16", 312, "A100 80GB"),
     ("NVIDIA A100-SXM4-40GB", "fp16", 312, "A100 40GB"),
-    ("NVIDIA A100 80GB PCIe", "fp32", 19.5, "A100 80GB"),
-    ("NVIDIA H100 80GB HBM3", "fp32", 67, "H100 SXM"),
+    # fp32 runs with TF32 matmuls (distributed.init): the TF32 tensor-core rate where there is one
+    ("NVIDIA A100 80GB PCIe", "fp32", 156, "A100 80GB"),
+    ("NVIDIA H100 80GB HBM3", "fp32", 494.5, "H100 SXM"),
+    ("NVIDIA H200", "fp32", 494.5, "H200"),
+    ("Tesla V100-SXM2-32GB", "fp32", 15.7, "V100 32GB"),  # Volta: no TF32, CUDA cores
     ("NVIDIA A10", "bf16", 125, "A10"),
     ("NVIDIA L4", "bf16", 121, "L4"),
     ("NVIDIA L40S", "bf16", 362, "L40S"),
@@ -124,3 +176,12 @@ def test_mfu():
     # 8 GPUs of 989 TFLOP/s, 855,166,464 FLOPs/token at 4M tokens/s: 3.42e15 / 7.912e15
     assert mfu(4e6, 855_166_464, 8 * 989) == pytest.approx(4e6 * 855_166_464 / 7.912e15)
     assert mfu(4e6, 855_166_464, 8 * 989) == pytest.approx(0.43234, abs=1e-5)
+
+
+def test_fp32_mfu_is_measured_against_tf32():
+    """GPT-2 124M in fp32 at 200k tokens/s on one H100 does 171 TFLOP/s: 2.6x the plain fp32
+    rate of 67 TFLOP/s, but 35% of the TF32 tensor cores it actually runs its matmuls on."""
+    peak, source = peak_tflops("NVIDIA H100 80GB HBM3", "fp32")
+    assert source == "H100 SXM tf32 dense"
+    assert mfu(200e3, 855_166_464, 67) > 1
+    assert mfu(200e3, 855_166_464, peak) == pytest.approx(0.3459, abs=1e-4)

@@ -4,14 +4,16 @@ from hvdtrain.lamb import Lamb
 
 
 def reference_lamb(w, grads, lr, betas, eps, wd):
-    """The LAMB update written out step by step (You et al. 2019, algorithm 2)."""
+    """The LAMB update written out step by step (You et al. 2019, algorithm 2), with the trust
+    ratio only where there is weight decay, as NVIDIA's FusedLAMB (use_nvlamb=False) does."""
     m = torch.zeros_like(w)
     v = torch.zeros_like(w)
     for t, g in enumerate(grads, start=1):
         m = betas[0] * m + (1 - betas[0]) * g
         v = betas[1] * v + (1 - betas[1]) * g * g
         r = (m / (1 - betas[0] ** t)) / ((v / (1 - betas[1] ** t)).sqrt() + eps) + wd * w
-        w = w - lr * (w.norm() / r.norm()) * r
+        trust = w.norm() / r.norm() if wd != 0 else 1.0
+        w = w - lr * trust * r
     return w
 
 
@@ -27,17 +29,40 @@ def test_matches_the_written_out_algorithm():
     assert torch.allclose(p.detach(), reference_lamb(w0, grads, 0.01, (0.9, 0.999), 1e-6, 0.01), atol=1e-6)
 
 
+def test_parameters_without_weight_decay_take_the_plain_adam_step():
+    """hvdtrain's groups: matrices with weight decay, biases and LayerNorm weights without. The
+    second group gets no trust ratio (NVIDIA's BERT recipe with FusedLAMB's default)."""
+    torch.manual_seed(0)
+    w0, b0 = torch.randn(5, 4), torch.full((10,), 2.0)
+    grads = [(torch.randn(5, 4), torch.randn(10) * 1e-3) for _ in range(3)]
+    w, b = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(b0.clone())
+    opt = Lamb([{"params": [w], "weight_decay": 0.01}, {"params": [b], "weight_decay": 0.0}], lr=0.1)
+    for gw, gb in grads:
+        w.grad, b.grad = gw.clone(), gb.clone()
+        opt.step()
+    assert torch.allclose(w.detach(), reference_lamb(w0, [g for g, _ in grads], 0.1, (0.9, 0.999), 1e-6, 0.01),
+                          atol=1e-6)
+    assert torch.allclose(b.detach(), reference_lamb(b0, [g for _, g in grads], 0.1, (0.9, 0.999), 1e-6, 0.0),
+                          atol=1e-6)
+    # The first step of Adam moves every element by lr (m/sqrt(v) = sign(g)); a trust ratio
+    # would have moved the bias by lr * ||b|| = 0.1 * 2 * sqrt(10) instead.
+    b = torch.nn.Parameter(b0.clone())
+    b.grad = torch.linspace(-1, 1, 10)
+    Lamb([{"params": [b], "weight_decay": 0.0}], lr=0.1).step()
+    assert torch.allclose((b.detach() - b0).abs(), torch.full((10,), 0.1), rtol=1e-4)
+
+
 def test_trust_ratio_makes_the_step_relative_to_the_weight():
     """With one step, ||delta w|| = lr * ||w|| whatever the gradient's scale."""
     for scale in (1e-3, 1.0, 1e3):
         p = torch.nn.Parameter(torch.full((10,), 2.0))
         p.grad = torch.randn(10) * scale
-        Lamb([p], lr=0.1, weight_decay=0.0).step()
+        Lamb([p], lr=0.1, weight_decay=0.01).step()
         assert torch.isclose((p.detach() - 2.0).norm(), torch.tensor(0.1 * 2.0 * 10 ** 0.5), rtol=1e-4)
 
 
 def test_zero_weights_use_trust_ratio_one():
     p = torch.nn.Parameter(torch.zeros(3))
     p.grad = torch.ones(3)
-    Lamb([p], lr=0.1, weight_decay=0.0).step()
+    Lamb([p], lr=0.1, weight_decay=0.01).step()
     assert torch.allclose(p.detach(), torch.full((3,), -0.1), atol=1e-5)
