@@ -45,6 +45,11 @@ AuthorizedKeysFile $ssh_dir/authorized_keys
 PubkeyAuthentication yes
 PasswordAuthentication no
 KbdInteractiveAuthentication no
+# Nothing but commands: no forwarding of ports, agents or X11 through the workers.
+AllowTcpForwarding no
+AllowAgentForwarding no
+X11Forwarding no
+PermitTunnel no
 # PAM needs root; run as a normal user, sshd can only log in that same user, by key.
 UsePAM no
 # Mounted keys are often owned by root or group-readable (Docker volumes, Kubernetes Secrets).

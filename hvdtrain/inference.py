@@ -8,8 +8,12 @@ from hvdtrain.errors import UserError
 
 
 def check_model_dir(path: str):
+    """A Hugging Face folder with safetensors weights: a pickled pytorch_model.bin is never loaded
+    (unpickling can run code)."""
     if not (Path(path) / "config.json").is_file():
         raise UserError(f"'{path}' is not a model folder (no config.json); export one with `hvdtrain export`")
+    if not list(Path(path).glob("*.safetensors")):
+        raise UserError(f"'{path}' has no .safetensors weights; hvdtrain does not load pickled weights")
 
 
 def run_generate(args) -> int:
@@ -19,7 +23,7 @@ def run_generate(args) -> int:
     check_model_dir(args.model)
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model, use_safetensors=True).eval()
     inputs = tokenizer(args.prompt, return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=True, top_k=args.top_k,

@@ -65,7 +65,8 @@ def load_pretrained(cfg: ModelConfig, seq_len: int) -> torch.nn.Module:
 
     auto = AutoModelForCausalLM if cfg.arch == "gpt2" else AutoModelForMaskedLM
     try:
-        model = auto.from_pretrained(cfg.pretrained, attn_implementation="sdpa")
+        # Weights from safetensors only: a pickled pytorch_model.bin can run code when loaded.
+        model = auto.from_pretrained(cfg.pretrained, attn_implementation="sdpa", use_safetensors=True)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"model.pretrained '{cfg.pretrained}': could not load ({first})") from None
