@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from hvdtrain import distributed, metrics
-from hvdtrain.config import Config, resolve_batch
+from hvdtrain.config import Config, last_step_of_run, resolve_batch
 from hvdtrain.data import DataBundle, build_data
 from hvdtrain.errors import UserError
 from hvdtrain.export import save_hf
@@ -170,7 +170,7 @@ def train(cfg: Config) -> torch.nn.Module:
                 log.eval_record({"step": 0, **result})
             timer.reset()
 
-        last_step = t.stop_at_step or t.max_steps
+        last_step = last_step_of_run(t, state.step)
         while state.step < last_step:
             lr = peak_lr * lr_multiplier(state.step, t)
             for group in optimizer.param_groups:
