@@ -10,14 +10,14 @@
   hvdtrain plan CONFIG --gpus N                      memory, step time and scaling estimates
   hvdtrain generate MODEL "prompt" / fill-mask MODEL "text with [MASK]"
 
-A user mistake (UserError) becomes one line on stderr and exit code 2, printed once (by
-rank 0) even when many workers hit it.
+A user mistake (UserError) becomes one line on stderr and exit code 2. Every worker that hits
+one prints it, as only that worker may know it (a data path missing on one host); `hvdtrain
+launch` shows the first one once, plain horovodrun and mpirun show one line per worker.
 """
 import argparse
 import logging
 import os
 import sys
-import time
 
 from hvdtrain import bench, export, inference, plan, report
 from hvdtrain.errors import UserError
@@ -35,9 +35,15 @@ def process_rank() -> int:
 
 def run_train(args) -> int:
     from hvdtrain.config import load_config
+    from hvdtrain.run_control import RunStopped
     from hvdtrain.train import train
 
-    train(load_config(args.config, args.overrides))
+    try:
+        train(load_config(args.config, args.overrides))
+    except RunStopped as stopped:  # on purpose (preemption, divergence): its own exit code
+        if process_rank() == 0:
+            print(f"hvdtrain: stopped: {stopped}", file=sys.stderr, flush=True)
+        return stopped.exit_code
     return 0
 
 
@@ -93,10 +99,7 @@ def main(argv=None) -> int:
     try:
         return args.func(args)
     except UserError as e:
-        if process_rank() == 0:
-            print(f"hvdtrain: error: {e}", file=sys.stderr, flush=True)
-        else:
-            time.sleep(2)  # the same error on every rank: let rank 0 report it before we exit
+        print(f"hvdtrain: error: {e}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -76,6 +76,8 @@ class TrainConfig:
     seed: int = 1234
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping off
+    # Steps with inf/NaN gradients are skipped and counted; this many in a row stop the run.
+    max_bad_steps: int = 10
     # Testing aid: seconds of extra sleep per optimizer step on the ranks listed in slow_ranks.
     slow_ranks: list[int] = field(default_factory=list)
     slow_seconds: float = 0.0
@@ -307,6 +309,7 @@ def validate(cfg: Config):
     _require(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", "two numbers in [0, 1)", t.betas)
     _require(t.warmup_steps >= 0, "train.warmup_steps", "an integer >= 0", t.warmup_steps)
     _require(t.grad_clip >= 0, "train.grad_clip", "a number >= 0", t.grad_clip)
+    _require(t.max_bad_steps >= 1, "train.max_bad_steps", "an integer >= 1", t.max_bad_steps)
     _require(t.weight_decay >= 0, "train.weight_decay", "a number >= 0", t.weight_decay)
     _require(t.optimizer != "lamb" or t.weight_decay > 0, "train.weight_decay",
              "a number > 0 with train.optimizer 'lamb' (its trust ratio applies only to parameters with "

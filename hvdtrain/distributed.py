@@ -146,17 +146,20 @@ class TokenNormalizer:
         self.op, self.world_size = op, world_size
         self.loss_scale = 1.0 / expected_tokens
 
-    def start(self, local_targets: int):
-        self.handle = allreduce_sum_async([local_targets], name="targets")
+    def start(self, local_targets: int, stop_vote: bool = False):
+        """`stop_vote` rides along: a rank asked to stop (preemption) tells every other rank."""
+        self.handle = allreduce_sum_async([local_targets, float(stop_vote)], name="targets")
 
-    def finish(self, model) -> float:
-        """Correct the reduced gradients; returns the global target count."""
-        global_targets = max(1.0, wait_sum(self.handle)[0])
+    def finish(self, model) -> tuple[float, bool]:
+        """Correct the reduced gradients; returns the global target count and whether any rank
+        voted to stop."""
+        total_targets, stop_votes = wait_sum(self.handle)
+        global_targets = max(1.0, total_targets)
         # Average divided the sum over ranks by the world size; Sum did not.
         factor = (self.world_size if self.op == "average" else 1) / (self.loss_scale * global_targets)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         torch._foreach_mul_(grads, factor)
-        return global_targets
+        return global_targets, stop_votes > 0
 
 
 def zero_grad(optimizer):

@@ -3,6 +3,7 @@
 One JSON object per line. A training record per log interval:
     step, loss (mean over the interval), step_losses (each step's), lr, world_size,
     global_batch, grad_accum, tokens_per_s, tokens_per_s_per_worker, mfu (when a peak is known),
+    grad_norm (of the interval's last step, before clipping), skipped_steps (non-finite ones),
     and with log.step_breakdown the step-time breakdown: time_<phase> for each of PHASES,
     time_step, comm_fraction, compute_min/max, slowest_rank, fastest_rank, imbalance,
     imbalance_warning and ranks (per-rank times of each phase).
@@ -82,9 +83,10 @@ def summarize_ranks(per_rank, threshold: float) -> dict:
 
 
 def train_record(step: int, step_losses: list[float], lr: float, world_size: int, global_batch: int,
-                 grad_accum: int, throughput: dict, breakdown: dict | None) -> dict:
+                 grad_accum: int, measurements: dict, breakdown: dict | None) -> dict:
+    """`measurements`: throughput (Throughput.record), skipped steps and the gradient norm."""
     record = {"step": step, "loss": sum(step_losses) / len(step_losses), "step_losses": step_losses, "lr": lr,
-              "world_size": world_size, "global_batch": global_batch, "grad_accum": grad_accum, **throughput}
+              "world_size": world_size, "global_batch": global_batch, "grad_accum": grad_accum, **measurements}
     if breakdown is not None:
         record.update(breakdown)
     return record

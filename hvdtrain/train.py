@@ -26,6 +26,7 @@ from hvdtrain.lr_schedule import lr_multiplier
 from hvdtrain.models import IGNORE_INDEX, build_model, logits_and_labels, prepare
 from hvdtrain.optimizers import build_optimizer
 from hvdtrain.profiling import Profiler
+from hvdtrain.run_control import PREEMPTED_EXIT_CODE, NonFiniteGuard, PreemptionSignal, RunStopped
 from hvdtrain.run_log import RunLog
 from hvdtrain.sampler import EvalSampler, StreamSampler
 from hvdtrain.step_timer import StepTimer
@@ -154,6 +155,8 @@ def train(cfg: Config) -> torch.nn.Module:
     profiler = Profiler(cfg.profile, cfg.out_dir, world, timer, whole_run_timeline=timeline is not None)
     normalizer = distributed.TokenNormalizer(cfg.horovod.op, world.size,
                                              t.micro_batch_size * grad_accum * cfg.data.seq_len)
+    guard = NonFiniteGuard(device, t.max_bad_steps)
+    preemption = PreemptionSignal()
     batches = iter(loader)
     step_losses, step_targets = [], []  # this log interval: local loss sums and global target counts
 
@@ -181,7 +184,7 @@ def train(cfg: Config) -> torch.nn.Module:
                 if world.rank in t.slow_ranks:
                     time.sleep(t.slow_seconds)  # test aid: a straggling rank
                 micro_batches = [next(batches) for _ in range(grad_accum)]
-                normalizer.start(sum(mb["num_targets"] for mb in micro_batches))
+                normalizer.start(sum(mb["num_targets"] for mb in micro_batches), preemption.requested)
                 micro_batches = [{k: v.to(device, non_blocking=True) for k, v in mb.items() if torch.is_tensor(v)}
                                  for mb in micro_batches]
 
@@ -197,15 +200,20 @@ def train(cfg: Config) -> torch.nn.Module:
                 loss_sum += loss.detach()
 
             # 3. wait for the gradient allreduce, normalise by the step's tokens, clip, step
+            #    (a step with inf/NaN gradients is skipped: by the fp16 scaler, or else by the guard)
             with timer.phase("allreduce"):
                 optimizer.synchronize()
-                global_targets = normalizer.finish(model)
+                global_targets, stop = normalizer.finish(model)
             with timer.phase("optimizer"):
                 scaler.unscale_(optimizer)
-                if t.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip) if t.grad_clip > 0
+                             else torch.nn.utils.get_total_norm(grads))
                 with optimizer.skip_synchronize():
-                    scaler.step(optimizer)
+                    if scaler.is_enabled():
+                        scaler.step(optimizer)
+                    else:
+                        guard.step(optimizer, grad_norm)
                 scaler.update()
                 distributed.zero_grad(optimizer)
             state.step += 1
@@ -216,17 +224,19 @@ def train(cfg: Config) -> torch.nn.Module:
             step_targets.append(global_targets)
             done = state.step
 
-            # 4. log, evaluate, checkpoint
-            if done % cfg.log.every == 0 or done == last_step:
+            # 4. log, evaluate, checkpoint; all ranks stop together when one was asked to
+            if done % cfg.log.every == 0 or done == last_step or stop:
                 means, step_time = timer.interval()  # the steps only: logging below is not step time
                 local = torch.stack(step_losses).double().cpu().tolist()
                 per_step = [s / n for s, n in zip(distributed.allreduce_sum(local, name="loss"), step_targets)]
                 per_rank = distributed.allgather_floats(means + [step_time], name="timings")
+                skipped = guard.interval(done)  # every rank: a diverged run stops everywhere at once
                 if log is not None:
                     breakdown = (metrics.summarize_ranks(per_rank, cfg.log.imbalance_threshold)
                                  if cfg.log.step_breakdown else None)
+                    measured = {**throughput.record(step_time), **skipped, "grad_norm": float(grad_norm)}
                     log.train_record(metrics.train_record(done, per_step, lr, world.size, global_batch, grad_accum,
-                                                          throughput.record(step_time), breakdown))
+                                                          measured, breakdown))
                 step_losses, step_targets = [], []
                 gc.collect(1)  # young garbage only, here rather than at a random point inside a step
                 timer.reset()
@@ -235,11 +245,16 @@ def train(cfg: Config) -> torch.nn.Module:
                 if log is not None:
                     log.eval_record({"step": done, **result})
                 timer.reset()  # evaluation time is not training step time
-            if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == last_step:
+            if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == last_step or stop:
                 state.save()
                 timer.reset()
+            if stop:
+                world.print(f"hvdtrain: preempted (a worker received a stop signal): checkpoint of step {done} "
+                            f"written; run the same command again to continue")
+                raise RunStopped(f"preempted at step {done}", PREEMPTED_EXIT_CODE)
     finally:  # also when a step fails: files closed, traces and timeline flushed, the collector back on
         gc.enable()
+        preemption.close()
         profiler.close()
         if timeline is not None:
             distributed.stop_timeline()
