@@ -33,6 +33,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from hvdtrain.errors import UserError
+from hvdtrain.paths import written_whole
 
 log = logging.getLogger(__name__)
 
@@ -98,21 +99,22 @@ def save_checkpoint(out_dir, step: int, model, optimizer, state: dict, rngs: lis
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp-{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    model.config.to_json_file(tmp / MODEL_CONFIG_FILE)
-    save_model(model, str(tmp / MODEL_FILE))
-    save_file(optimizer_tensors(optimizer, model), str(tmp / OPTIMIZER_FILE))
-    save_file({f"rank{r}/{k}": v.contiguous() for r, rng in enumerate(rngs) for k, v in rng.items()},
-              str(tmp / RNG_FILE))
-    (tmp / STATE_FILE).write_text(json.dumps({"format": FORMAT, **state}, indent=1))
-    files = {}
-    for name in (MODEL_CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE):
-        _fsync(tmp / name)
-        files[name] = {"bytes": (tmp / name).stat().st_size, "crc32": _crc32(tmp / name)}
-    # The manifest last: a folder with a valid manifest is a complete checkpoint.
-    (tmp / MANIFEST_FILE).write_text(json.dumps({"format": FORMAT, "step": step, "files": files}, indent=1))
-    _fsync(tmp / MANIFEST_FILE)
-    _fsync(tmp)
+    with written_whole(f"the checkpoint of step {step} in {root}", tmp):
+        tmp.mkdir()
+        model.config.to_json_file(tmp / MODEL_CONFIG_FILE)
+        save_model(model, str(tmp / MODEL_FILE))
+        save_file(optimizer_tensors(optimizer, model), str(tmp / OPTIMIZER_FILE))
+        save_file({f"rank{r}/{k}": v.contiguous() for r, rng in enumerate(rngs) for k, v in rng.items()},
+                  str(tmp / RNG_FILE))
+        (tmp / STATE_FILE).write_text(json.dumps({"format": FORMAT, **state}, indent=1))
+        files = {}
+        for name in (MODEL_CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE):
+            _fsync(tmp / name)
+            files[name] = {"bytes": (tmp / name).stat().st_size, "crc32": _crc32(tmp / name)}
+        # The manifest last: a folder with a valid manifest is a complete checkpoint.
+        (tmp / MANIFEST_FILE).write_text(json.dumps({"format": FORMAT, "step": step, "files": files}, indent=1))
+        _fsync(tmp / MANIFEST_FILE)
+        _fsync(tmp)
     if final.exists():  # the same step written again (e.g. a rerun): swap, never delete first
         old = root / f".old-{final.name}"
         shutil.rmtree(old, ignore_errors=True)

@@ -5,17 +5,28 @@
 OUT gets config.json + model.safetensors (save_pretrained) and the tokenizer, so
 AutoModelForCausalLM / AutoModelForMaskedLM and AutoTokenizer load it directly.
 """
+import os
 import shutil
 from pathlib import Path
 
 from hvdtrain.errors import UserError
+from hvdtrain.paths import check_writable_folder, written_whole
 
 
 def save_hf(model, tokenizer_dir: Path | None, out: Path):
-    model.save_pretrained(out, safe_serialization=True)
-    if tokenizer_dir is not None and tokenizer_dir.is_dir():
-        for f in tokenizer_dir.iterdir():
-            shutil.copy2(f, out / f.name)
+    """Written into a temporary folder first, then moved in file by file: a failed write (a
+    full disk) leaves `out` as it was, not a folder that looks complete."""
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with written_whole(f"the Hugging Face folder {out}", tmp):
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer_dir is not None and tokenizer_dir.is_dir():
+            for f in tokenizer_dir.iterdir():
+                shutil.copy2(f, tmp / f.name)
+        out.mkdir(parents=True, exist_ok=True)
+        for f in tmp.iterdir():
+            os.replace(f, out / f.name)
+        tmp.rmdir()
 
 
 def load_checkpoint_model(ckpt: Path):
@@ -34,12 +45,12 @@ def load_checkpoint_model(ckpt: Path):
 def run_export(args) -> int:
     from hvdtrain import checkpoint
 
-    ckpt = checkpoint.resolve_checkpoint(args.source)
     out = Path(args.out)
+    check_writable_folder(out, "export folder")
+    ckpt = checkpoint.resolve_checkpoint(args.source)
     if out.exists() and any(out.iterdir()) and not args.force:
         raise UserError(f"export folder '{out}' is not empty (use --force to overwrite)")
     model = load_checkpoint_model(ckpt)
-    out.mkdir(parents=True, exist_ok=True)
     save_hf(model, checkpoint.run_dir_of(ckpt) / "tokenizer", out)
     print(f"exported {ckpt} -> {out}")
     return 0

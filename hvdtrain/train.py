@@ -25,6 +25,7 @@ from hvdtrain.export import save_hf
 from hvdtrain.lr_schedule import lr_multiplier
 from hvdtrain.models import IGNORE_INDEX, build_model, logits_and_labels, prepare
 from hvdtrain.optimizers import build_optimizer
+from hvdtrain.paths import check_writable_folder
 from hvdtrain.profiling import Profiler
 from hvdtrain.run_control import PREEMPTED_EXIT_CODE, NonFiniteGuard, PreemptionSignal, RunStopped
 from hvdtrain.run_log import RunLog
@@ -117,6 +118,7 @@ def open_run_folder(cfg: Config, world, data: DataBundle, model, state: Training
 def train(cfg: Config) -> torch.nn.Module:
     """Run (or resume) the training described by `cfg` on this worker; returns the model."""
     # ---- set-up 1. Horovod: init, pin the GPU, seed
+    check_writable_folder(cfg.out_dir, "out_dir")
     world = distributed.init(cfg)
     device = world.device
     grad_accum, global_batch = resolve_batch(cfg, world.size)

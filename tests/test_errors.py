@@ -125,3 +125,34 @@ def test_a_crafted_pickle_in_a_run_folder_never_runs(tmp_path, tiny_config):
         assert proc.returncode == 2, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1 and "pickle" in proc.stderr, proc.stderr
     assert not marker.exists()
+
+
+def test_out_dir_that_is_a_file_is_refused(tmp_path, tiny_config):
+    target = tmp_path / "a-file"
+    target.write_text("mine")
+    proc = hvdtrain("train", tiny_config(), f"out_dir={target}")
+    assert proc.returncode == 2 and "out_dir" in proc.stderr and "is a file" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and target.read_text() == "mine"
+    proc = hvdtrain("export", tmp_path, target)
+    assert proc.returncode == 2 and "export folder" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_checkpoint_write_that_fails_half_way_keeps_the_earlier_ones(tmp_path, tiny_config):
+    """A file-size limit (as a full disk would) stops the step-6 checkpoint half way: one line,
+    non-zero exit, no temporary folder left, and the step-4 checkpoint still resumes."""
+    from hvdtrain import checkpoint
+    config = tiny_config({"train": {"max_steps": 8}, "checkpoint": {"every": 2, "keep": 5}})
+    out = tmp_path / "run"
+    assert hvdtrain("train", config, f"out_dir={out}", "train.stop_at_step=4").returncode == 0
+    size_kb = (checkpoint.newest_intact_checkpoint(out) / "model.safetensors").stat().st_size // 1024
+    # Under horovodrun's Gloo: a lone process would start MPI, which needs files over the limit.
+    proc = run_cmd(["bash", "-c", f"ulimit -f {size_kb // 2} && exec {BIN / 'hvdtrain'} launch -np 1 --gloo "
+                                  f"{config} out_dir={out}"])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "could not write the checkpoint of step 6" in lines[0], proc.stderr
+    assert [p.name for p in checkpoint.checkpoint_dir(out).iterdir()] and \
+        not [p for p in checkpoint.checkpoint_dir(out).iterdir() if p.name.startswith(".")]
+    assert checkpoint.newest_intact_checkpoint(out).name == "step_00000004"
+    assert hvdtrain("train", config, f"out_dir={out}").returncode == 0
+    assert checkpoint.newest_intact_checkpoint(out).name == "step_00000008"
