@@ -1,0 +1,178 @@
+"""Test worker for hvdtrain/pipeline.py: a few AdamW steps of a tiny GPT-2 or BERT on fixed
+synthetic batches, with or without pipeline stages, under horovodrun (or alone as one worker).
+
+    pipeline_step.py OUT_DIR --stages P CASE [CASE ...]
+
+With --stages 1 a CASE is an arch (gpt2, bert) and the unsplit model trains the plain way,
+Horovod data parallelism over all workers: the reference. With P > 1 a CASE is
+ARCH-SCHEDULE-REDUCE, e.g. gpt2-1f1b-hooks: the model is split into P stages (2 per rank for
+interleaved1f1b), gradients are reduced within each stage's process set by
+hvd.DistributedOptimizer's hooks during the pipeline's backward (`hooks`) or by one grouped
+allreduce after it (`after`). Both ways train on the same global batches, sum token losses,
+normalise by the step's target tokens, clip to one global norm and step.
+
+Each case writes OUT_DIR/CASE/: result.json from rank 0 (per-step loss and gradient norm
+before clipping, an evaluation loss at the end) and params_rank{R}.safetensors (the rank's
+parameters and buffers under the Hugging Face names)."""
+import argparse
+import json
+from pathlib import Path
+
+import horovod.torch as hvd
+import torch
+from safetensors.torch import save_file
+
+from hvdtrain import pipeline
+from hvdtrain.config import ModelConfig
+from hvdtrain.models import IGNORE_INDEX, Vocab, build_model, logits_and_labels
+
+N_LAYER, SEQ, VOCAB, MASK_ID = 4, 16, 128, 4
+GLOBAL_BATCH, MICROBATCHES, STEPS = 8, 4, 4
+LR, MAX_NORM, SEED = 1e-3, 0.5, 7
+
+
+def global_batch(arch: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's whole batch, the same on every rank: GPT predicts the next token, BERT ~15%
+    masked tokens (at least one per sample)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(MASK_ID + 1, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+    if arch == "gpt2":
+        labels = torch.full_like(ids, IGNORE_INDEX)
+        labels[:, :-1] = ids[:, 1:]
+        return ids, labels
+    masked = torch.rand(ids.shape, generator=g) < 0.15
+    masked[:, step % SEQ] = True
+    return torch.where(masked, MASK_ID, ids), torch.where(masked, ids, IGNORE_INDEX)
+
+
+def my_slice(t: torch.Tensor, layout: pipeline.Layout) -> torch.Tensor:
+    rows = GLOBAL_BATCH // layout.dp
+    return t[layout.dp_rank * rows:(layout.dp_rank + 1) * rows]
+
+
+def new_model(arch: str):
+    torch.manual_seed(SEED)
+    cfg = ModelConfig(arch=arch, n_layer=N_LAYER, n_head=2, d_model=32, dropout=0.0)
+    return build_model(cfg, Vocab(size=VOCAB, pad_id=0), SEQ)
+
+
+def loss_sum(model, ids, labels, scale: float, backward: bool) -> torch.Tensor:
+    """The reference: micro batch by micro batch, as the pipeline splits them."""
+    total = torch.zeros((), dtype=torch.float64)
+    for mb_ids, mb_labels in zip(ids.chunk(MICROBATCHES), labels.chunk(MICROBATCHES)):
+        logits, targets = logits_and_labels(model, {"input_ids": mb_ids, "labels": mb_labels})
+        loss = torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX,
+                                                 reduction="sum")
+        if backward:
+            (loss * scale).backward()
+        total += loss.detach().double()
+    return total
+
+
+def train_reference(arch: str, layout: pipeline.Layout) -> tuple[dict, torch.nn.Module]:
+    model = new_model(arch)
+    optimizer = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR),
+                                         named_parameters=model.named_parameters(),
+                                         backward_passes_per_step=MICROBATCHES)
+    result = {"losses": [], "norms": []}
+    for step in range(STEPS):
+        ids, labels = global_batch(arch, step)
+        targets = int((labels != IGNORE_INDEX).sum())
+        local = loss_sum(model, my_slice(ids, layout), my_slice(labels, layout), 1.0 / targets, backward=True)
+        optimizer.synchronize()
+        for p in model.parameters():
+            p.grad.mul_(layout.dp)  # Average divided by the copies; the scale already divided by the targets
+        result["norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        with optimizer.skip_synchronize():
+            optimizer.step()
+        optimizer.zero_grad()
+        result["losses"].append(hvd.allreduce(local, op=hvd.Sum, name="loss").item() / targets)
+    model.eval()
+    ids, labels = global_batch(arch, 0)
+    with torch.no_grad():
+        local = loss_sum(model, my_slice(ids, layout), my_slice(labels, layout), 1.0, backward=False)
+    result["eval_loss"] = hvd.allreduce(local, op=hvd.Sum, name="eval").item() / int((labels != IGNORE_INDEX).sum())
+    return result, model
+
+
+def train_pipelined(case: str, layout: pipeline.Layout, groups: pipeline.Groups) -> tuple[dict, torch.nn.Module]:
+    arch, schedule, reduce = case.split("-")
+    per_rank = 2 if schedule == "interleaved1f1b" else 1
+    layout = pipeline.Layout(layout.stages, layout.dp, layout.stage, layout.dp_rank, per_rank)
+    stage = pipeline.split_model(new_model(arch), layout, pipeline.stage_bounds(N_LAYER, layout.stages, per_rank))
+    pipe = pipeline.build_schedule(stage, layout, groups, schedule, MICROBATCHES, 1.0, torch.device("cpu"))
+    optimizer = torch.optim.AdamW(stage.parameters(), lr=LR)
+    if reduce == "hooks":
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=stage.named_parameters(),
+                                             process_set=groups.process_set,
+                                             backward_passes_per_step=MICROBATCHES)
+    pipeline.broadcast_stage(stage, layout, groups)
+    result = {"losses": [], "norms": [], "reduced_in_backward": reduce == "hooks"}
+    for step in range(STEPS):
+        ids, labels = global_batch(arch, step)
+        targets = int((labels != IGNORE_INDEX).sum())
+        pipe.loss.scale = 1.0 / targets
+        local = pipeline.run(pipe, my_slice(ids, layout), my_slice(labels, layout))
+        if reduce == "hooks":
+            # Horovod's hooks must have started every allreduce while the schedule's backward ran
+            started = [handle is not None for handle, _ in optimizer._handles.values()]
+            result["reduced_in_backward"] &= len(started) == len(optimizer._requires_update) and all(started)
+            optimizer.synchronize()
+        else:
+            pipeline.allreduce_grads_after(stage.parameters(), groups)
+        pipeline.allreduce_tied_grads(stage, groups)
+        for p in stage.parameters():
+            p.grad.mul_(layout.dp)
+        result["norms"].append(pipeline.clip_grad_norm_(stage, MAX_NORM, groups).item())
+        if reduce == "hooks":
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        else:
+            optimizer.step()
+        optimizer.zero_grad()
+        result["losses"].append(hvd.allreduce(local, op=hvd.Sum, name="loss").item() / targets)
+    result["nonfinite"] = [nonfinite_seen(stage, layout, groups, inf_on_last) for inf_on_last in (False, True)]
+    stage.eval()
+    ids, labels = global_batch(arch, 0)
+    with torch.no_grad():
+        local = pipeline.run(pipe, my_slice(ids, layout), my_slice(labels, layout), train=False)
+    result["eval_loss"] = hvd.allreduce(local, op=hvd.Sum, name="eval").item() / int((labels != IGNORE_INDEX).sum())
+    return result, stage
+
+
+def nonfinite_seen(stage, layout: pipeline.Layout, groups: pipeline.Groups, inf_on_last: bool) -> bool:
+    """any_nonfinite on this rank when the last stage alone holds an inf gradient (or none does)."""
+    p = next(stage.parameters())
+    p.grad = torch.full_like(p, float("inf")) if inf_on_last and layout.is_last else torch.zeros_like(p)
+    seen = pipeline.any_nonfinite(stage, groups)
+    p.grad = None
+    return seen
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--stages", type=int, default=1)
+    parser.add_argument("cases", nargs="+")
+    args = parser.parse_args()
+
+    hvd.init(process_sets="dynamic")
+    layout = pipeline.layout_for(hvd.rank(), hvd.size(), args.stages)
+    groups = pipeline.open_groups(layout, "gloo") if args.stages > 1 else None
+    for case in args.cases:
+        if groups is None:
+            result, module = train_reference(case, layout)
+        else:
+            result, module = train_pipelined(case, layout, groups)
+        out = args.out_dir / case
+        out.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().clone() for k, v in module.state_dict().items()}
+        save_file(state, str(out / f"params_rank{hvd.rank()}.safetensors"))
+        if hvd.rank() == 0:
+            (out / "result.json").write_text(json.dumps(result))
+    if groups is not None:
+        groups.close()
+
+
+if __name__ == "__main__":
+    main()
