@@ -1,15 +1,18 @@
 """Starting workers: `hvdtrain launch` runs N copies of `hvdtrain train` through horovodrun.
 
 Used by the CLI (`launch`, `profile`) and by the benchmarks that start workers (`bench
-allreduce`). Workers' stderr is relayed so that the user sees each real error once.
+allreduce`). Remote hosts are checked over ssh first; horovodrun's output then goes through
+hvdtrain.relay, so that the user sees each real error once.
 """
 import argparse
 import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from hvdtrain.errors import UserError
+from hvdtrain.relay import Relay
 
 
 def horovodrun_command(args, worker_args: list[str]) -> list[str]:
@@ -23,33 +26,61 @@ def horovodrun_command(args, worker_args: list[str]) -> list[str]:
         cmd.append(f"--{args.controller}")
     if args.network_interface:
         cmd += ["--network-interface", args.network_interface]
+    if args.start_timeout is not None:
+        cmd += ["--start-timeout", str(args.start_timeout)]
     return cmd + args.horovodrun_args + [sys.executable, "-m", "hvdtrain.cli"] + worker_args
 
 
-def relay_worker_stderr(stream) -> tuple[bool, str | None]:
-    """Pass horovodrun's stderr through, except its own noise when a worker fails.
+def hosts_by_rank(hosts: str | None, np: int) -> list[str]:
+    """The host of each rank: horovodrun and mpirun fill the slots of `-H a:2,b:2` in order."""
+    slots = []
+    for entry in hosts.split(",") if hosts else []:
+        name, _, count = entry.partition(":")
+        if not name or not (count or "1").isdigit():
+            raise UserError(f"-H: expected host1:slots,host2:slots (e.g. node1:8,node2:8), got '{hosts}'")
+        slots += [name] * int(count or 1)
+    return slots[:np]
 
-    Worker lines come prefixed with "[rank]<stderr>:". A worker's one-line user error is shown
-    without the prefix; the "Terminated" notes of workers stopped because another one failed,
-    and horovodrun's own Python traceback about that, are dropped. Returns (a worker reported
-    a user error, horovodrun's failure summary or None)."""
-    user_error, failure, in_traceback = False, None, False
-    for line in stream:
-        text = line.split(">:", 1)[1] if line.startswith("[") and ">:" in line else None
-        if text is not None and text.startswith("hvdtrain: error: "):
-            user_error = True
-            sys.stderr.write(text)
-        elif text is not None and text.strip() == "Terminated":
-            continue
-        elif text is None and line.startswith("Traceback (most recent call last):"):
-            in_traceback = True
-        elif in_traceback:
-            if line.startswith(("RuntimeError:", "Process name:", "Exit code:")):
-                failure = " ".join(filter(None, [failure, line.strip()]))
+
+def start_timeout(args) -> int:
+    """Seconds horovodrun waits for the hosts and workers to start (its default: 30)."""
+    if args.start_timeout is not None:
+        return args.start_timeout
+    return int(os.environ.get("HOROVOD_START_TIMEOUT", 30))
+
+
+def check_hosts_reachable(args):
+    """ssh into every remote host of -H once, in parallel, with the ssh command horovodrun uses
+    (its -p/--ssh-port and -i/--ssh-identity-file from --horovodrun-args), bounded by the start
+    timeout. horovodrun's own check tries 5 times with a fixed 10 s timeout and names the host
+    only on stdout."""
+    from horovod.runner.util.network import filter_local_addresses
+    from horovod.runner.util.remote import get_remote_command
+
+    ssh = argparse.ArgumentParser(add_help=False)
+    ssh.add_argument("-p", "--ssh-port", type=int)
+    ssh.add_argument("-i", "--ssh-identity-file")
+    ssh_args, _ = ssh.parse_known_args(args.horovodrun_args)
+    remote = filter_local_addresses(sorted(set(hosts_by_rank(args.hosts, args.np))))
+    timeout = start_timeout(args)
+
+    def problem(host: str) -> str | None:
+        cmd = get_remote_command("true", host, ssh_args.ssh_port, ssh_args.ssh_identity_file, timeout)
+        try:
+            proc = subprocess.run(cmd, shell=True, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                                  timeout=timeout + 5)
+        except subprocess.TimeoutExpired:
+            said = ["no answer"]
         else:
-            sys.stderr.write(line)
-        sys.stderr.flush()
-    return user_error, failure
+            if proc.returncode == 0:
+                return None
+            said = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("Warning:")]
+        return f"cannot reach host {host} over ssh (--start-timeout {timeout} s): {(said or ['?'])[-1]}"
+
+    with ThreadPoolExecutor(max(1, len(remote))) as pool:
+        problems = [p for p in pool.map(problem, remote) if p]
+    if problems:
+        raise UserError("; ".join(problems))
 
 
 def run_launch(args) -> int:
@@ -58,20 +89,20 @@ def run_launch(args) -> int:
     load_config(args.config, args.overrides)  # fail here, once, before starting any worker
     if args.np < 1:
         raise UserError(f"-np: expected a number of workers >= 1, got {args.np}")
+    if args.hosts:
+        if len(hosts_by_rank(args.hosts, args.np)) < args.np:
+            raise UserError(f"-np {args.np} is more than the slots of -H {args.hosts}")
+        check_hosts_reachable(args)
     cmd = horovodrun_command(args, ["train", args.config, *args.overrides])
     env = dict(os.environ)
     if not args.hosts and "OMP_NUM_THREADS" not in env:
         # One host: share its cores between the workers instead of oversubscribing them.
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.np))
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, bufsize=1)
-    user_error, failure = relay_worker_stderr(proc.stderr)
-    code = proc.wait()
-    if user_error:
-        return 2
-    if code and failure:
-        print(f"hvdtrain: workers failed ({failure.split('The first process')[0].strip()} "
-              f"{failure.split('terminated.')[-1].strip()})", file=sys.stderr)
-    return code
+    relay = Relay(hosts_by_rank(args.hosts, args.np))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    for line in proc.stdout:
+        relay.feed(line)
+    return relay.finish(proc.wait())
 
 
 def add_launch_options(p: argparse.ArgumentParser, default_np: int):
@@ -81,6 +112,9 @@ def add_launch_options(p: argparse.ArgumentParser, default_np: int):
     group.add_argument("--gloo", dest="controller", action="store_const", const="gloo", help="Gloo controller")
     group.add_argument("--mpi", dest="controller", action="store_const", const="mpi", help="MPI controller")
     p.add_argument("--network-interface", help="interface(s) for Horovod traffic, e.g. eth0 (NCCL: set NCCL_SOCKET_IFNAME)")
+    p.add_argument("--start-timeout", type=int, metavar="SECONDS",
+                   help="how long to wait for each host (ssh) and for the workers to start (default 30, "
+                        "or HOROVOD_START_TIMEOUT)")
     p.add_argument("--horovodrun-args", dest="horovodrun_args", default=[], type=str.split,
                    help="extra horovodrun options, quoted as one string")
 

@@ -1,5 +1,5 @@
-"""What the tests share: tiny configs, real `horovodrun -np N --gloo` runs of hvdtrain, and
-comparisons of runs (losses step by step, parameters tensor by tensor)."""
+"""What the tests share: tiny configs, real `horovodrun -np N --gloo|--mpi` and plain `mpirun`
+runs of hvdtrain, and comparisons of runs (losses step by step, parameters tensor by tensor)."""
 import os
 import struct
 import subprocess
@@ -50,14 +50,28 @@ def hvdtrain(*args, **kw) -> subprocess.CompletedProcess:
     return run_cmd([BIN / "hvdtrain", *args], **kw)
 
 
-def horovodrun(np: int, script_args: list, **kw) -> subprocess.CompletedProcess:
-    """`horovodrun -np N --gloo python ...`: real worker processes talking through Gloo."""
-    return run_cmd([BIN / "horovodrun", "-np", np, "--gloo", sys.executable, *script_args], **kw)
+def horovodrun(np: int, script_args: list, controller: str = "gloo", **kw) -> subprocess.CompletedProcess:
+    """`horovodrun -np N --gloo|--mpi python ...`: real worker processes talking through Gloo or MPI."""
+    return run_cmd([BIN / "horovodrun", "-np", np, f"--{controller}", sys.executable, *script_args], **kw)
 
 
-def train_workers(np: int, config: Path, *overrides, worker: str = "train_and_dump.py", **kw):
-    """Train with N real workers; each rank also dumps its final parameters (see workers/)."""
-    proc = horovodrun(np, [WORKERS / worker, config, *overrides], **kw)
+# Open MPI refuses to run as root unless told that it is meant (horovodrun tells it itself).
+MPIRUN_AS_ROOT = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+
+
+def mpirun(np: int, script_args: list, **kw) -> subprocess.CompletedProcess:
+    """Plain `mpirun -np N python ...`, without horovodrun, as Slurm and the MPI Operator start
+    workers; Horovod takes ranks from Open MPI."""
+    return run_cmd(["mpirun", *MPIRUN_AS_ROOT, "--oversubscribe", "-np", np, "-bind-to", "none",
+                    sys.executable, *script_args], **kw)
+
+
+def train_workers(np: int, config: Path, *overrides, worker: str = "train_and_dump.py", launcher: str = "gloo",
+                  **kw):
+    """Train with N real workers; each rank also dumps its final parameters (see workers/).
+    launcher: "gloo" or "mpi" (horovodrun --gloo/--mpi), or "mpirun" (plain mpirun)."""
+    args = [WORKERS / worker, config, *overrides]
+    proc = mpirun(np, args, **kw) if launcher == "mpirun" else horovodrun(np, args, controller=launcher, **kw)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 

@@ -1,0 +1,269 @@
+"""`hvdtrain launch`: the user sees the first real error of the first failing worker, once.
+
+The first tests feed the relay (hvdtrain/relay.py) horovodrun and mpirun output as recorded on
+this machine (shortened; paths kept), so each kind of failure is checked in milliseconds. The
+tests marked `workers` then make a real worker fail in a real run (tests/workers/
+failure_injection), under Gloo and MPI, and start horovodrun where it cannot start workers.
+"""
+import io
+import os
+import socket
+import time
+
+import pytest
+
+from helpers import BIN, WORKERS, horovodrun, hvdtrain
+from hvdtrain.relay import Relay
+
+# ---------------------------------------------------------------- recorded output
+
+FRAMES = """\
+Traceback (most recent call last):
+  File "/work/main/hvdtrain/cli.py", line 94, in main
+    return args.func(args)
+           ^^^^^^^^^^^^^^^
+  File "/work/main/hvdtrain/train.py", line 193, in train
+    loss = torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX,
+"""
+REAL_ERROR = FRAMES + "RuntimeError: injected failure in the middle of training\n"
+SHUT_DOWN = ("Horovod has been shut down. This was caused by an exception on one of the ranks or an attempt to "
+             "allreduce, allgather or broadcast a tensor after one of the ranks finished execution.")
+ECHO = (FRAMES + f"RuntimeError: {SHUT_DOWN}\n\nDuring handling of the above exception, another exception "
+        f"occurred:\n\n" + FRAMES + f"horovod.common.exceptions.HorovodInternalError: {SHUT_DOWN}\n")
+HOROVODRUN_WORKERS_FAILED = """\
+Traceback (most recent call last):
+  File "/work/main/.venv/bin/horovodrun", line 6, in <module>
+    sys.exit(run_commandline())
+  File "/work/main/.venv/lib/python3.11/site-packages/horovod/runner/gloo_run.py", line 284, in launch_gloo
+    raise RuntimeError('Horovod detected that one or more processes exited with non-zero '
+RuntimeError: Horovod detected that one or more processes exited with non-zero status, thus causing the job to be terminated. The first process to do so was:
+Process name: {rank}
+Exit code: {code}
+
+"""
+MPIRUN_WORKER_FAILED = """\
+--------------------------------------------------------------------------
+Primary job  terminated normally, but 1 process returned
+a non-zero exit code. Per user-direction, the job has been aborted.
+--------------------------------------------------------------------------
+--------------------------------------------------------------------------
+mpirun detected that one or more processes exited with non-zero status, thus causing
+the job to be terminated. The first process to do so was:
+
+  Process name: [[18702,1],0]
+  Exit code:    1
+--------------------------------------------------------------------------
+"""
+
+
+def tagged(prefix: str, text: str) -> str:
+    return "".join(prefix + line for line in text.splitlines(keepends=True))
+
+
+def relay(output: str, returncode: int, hosts: list[str] = ()) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `hvdtrain launch` for this horovodrun output."""
+    out, err = io.StringIO(), io.StringIO()
+    r = Relay(list(hosts), out=out, err=err)
+    for line in output.splitlines(keepends=True):
+        r.feed(line)
+    return r.finish(returncode), out.getvalue(), err.getvalue()
+
+
+def test_a_traceback_on_one_worker_is_shown_once_without_the_echoes_of_the_others():
+    output = ("[0]<stdout>:step 0: eval loss 4.8694\n" + tagged("[1]<stderr>:", REAL_ERROR) +
+              tagged("[0]<stderr>:", ECHO) + "[0]<stderr>:Terminated\n" +
+              "Process 0 exit with status code 1.\nTerminating remaining workers after failure of Process 0.\n"
+              "Process 1 exit with status code 1.\n" + HOROVODRUN_WORKERS_FAILED.format(rank=0, code=1))
+    code, out, err = relay(output, 1)
+    assert code == 1
+    assert out == "[0]<stdout>:step 0: eval loss 4.8694\n"  # worker output passes through
+    assert err == "hvdtrain: worker 1 failed:\n" + REAL_ERROR
+
+
+def test_the_real_error_wins_even_when_an_echo_arrives_first():
+    output = tagged("[1,0]<stderr>:", ECHO) + tagged("[1,1]<stderr>:", REAL_ERROR) + MPIRUN_WORKER_FAILED
+    code, _, err = relay(output, 1, hosts=["node1", "node2"])
+    assert (code, err) == (1, "hvdtrain: worker 1 on host node2 failed:\n" + REAL_ERROR)
+
+
+def test_pieces_that_mpirun_tagged_separately_are_joined_into_lines():
+    """mpirun --tag-output tags each piece a worker writes, not each line."""
+    output = ("[1,1]<stderr>:Traceback (most recent call last):\n[1,1]<stderr>:  File \"x.py\", line 1\n"
+              "[1,1]<stderr>:    ^^^^[1,1]<stderr>:^^^^\n[1,1]<stderr>:RuntimeError: boom\n"
+              "[1,0]<stdout>:step 1: loss 4.5[1,0]<stdout>:\n" + MPIRUN_WORKER_FAILED)
+    code, out, err = relay(output, 1)
+    assert out == "[1,0]<stdout>:step 1: loss 4.5\n"
+    assert err == "hvdtrain: worker 1 failed:\nTraceback (most recent call last):\n  File \"x.py\", line 1\n" \
+                  "    ^^^^^^^^\nRuntimeError: boom\n"
+
+
+def test_a_user_error_on_several_workers_is_one_line_and_exit_code_2():
+    line = "hvdtrain: error: data.source: /data/corpus.txt does not exist\n"
+    output = f"[1]<stderr>:{line}[0]<stderr>:{line}" + tagged("[0]<stderr>:", ECHO)
+    assert relay(output, 1) == (2, "", line)
+
+
+def test_a_user_error_on_one_worker_wins_over_the_echo_on_the_others():
+    line = "hvdtrain: error: data.source: /data/corpus.txt does not exist\n"
+    output = tagged("[0]<stderr>:", ECHO) + f"[1]<stderr>:{line}" + HOROVODRUN_WORKERS_FAILED.format(rank=0, code=1)
+    assert relay(output, 1) == (2, "", line)
+
+
+@pytest.mark.parametrize("output,code", [
+    ("[1]<stderr>:Killed\n[0]<stderr>:[2026-11-30 20:06:14.179190: E horovod/common/operations.cc:697] [0]: Horovod "
+     "background loop uncaught exception: [gloo/transport/tcp/pair.cc:598] Connection closed by peer\n"
+     + tagged("[0]<stderr>:", ECHO) + "Process 1 exit with status code 137.\n"
+     "Terminating remaining workers after failure of Process 1.\nProcess 0 exit with status code 143.\n"
+     + HOROVODRUN_WORKERS_FAILED.format(rank=1, code=137), 1),
+    (tagged("[1,0]<stderr>:", ECHO) + MPIRUN_WORKER_FAILED.split("-" * 74 + "\n-")[0] +
+     "-" * 74 + "\nmpirun noticed that process rank 1 with PID 0 on node vm exited on signal 9 (Killed).\n"
+     + "-" * 74 + "\n", 137),
+], ids=["gloo", "mpi"])
+def test_a_killed_worker_is_named_with_its_signal(output, code):
+    exit_code, _, err = relay(output, code, hosts=["a", "b"])
+    assert exit_code != 0
+    assert err == "hvdtrain: error: worker 1 on host b was killed by signal 9 (SIGKILL, out of memory?)\n"
+
+
+def test_a_worker_whose_program_is_missing_on_its_host_names_the_host():
+    output = ("[1]<stderr>:env: '/work/main/.venv/bin/python': No such file or directory\n"
+              "[0]<stderr>:Terminated\nProcess 1 exit with status code 127.\n"
+              + HOROVODRUN_WORKERS_FAILED.format(rank=1, code=127))
+    code, _, err = relay(output, 1, hosts=["127.0.0.1", "127.0.0.2"])
+    assert code == 127
+    assert err.endswith("hvdtrain: error: worker 1 on host 127.0.0.2 exited with status 127: "
+                        "env: '/work/main/.venv/bin/python': No such file or directory\n")
+
+
+@pytest.mark.parametrize("output,expected", [
+    ("Traceback (most recent call last):\n  File \"horovod/runner/launch.py\", line 759, in run_controller\n"
+     "ValueError: MPI support has not been built.  If this is not expected, ensure MPI is installed and reinstall "
+     "Horovod with HOROVOD_WITH_MPI=1 to debug the build error.\n",
+     "hvdtrain: error: horovodrun: MPI support has not been built.  If this is not expected, ensure MPI is installed "
+     "and reinstall Horovod with HOROVOD_WITH_MPI=1 to debug the build error.\n"),
+    ("Was unable to run mpirun --version:\n/bin/sh: 1: mpirun: not found\n\n"
+     "Traceback (most recent call last):\n  File \"horovod/runner/mpi_run.py\", line 154, in mpi_run\n"
+     "Exception: horovod does not find an installed MPI.\n\nChoose one of:\n1. Install Open MPI 4.0.0+\n",
+     "hvdtrain: error: horovodrun: horovod does not find an installed MPI.\n"),
+    ("Traceback (most recent call last):\n  File \"horovod/runner/launch.py\", line 655, in _run_static\n"
+     "RuntimeError: could not connect to some hosts via ssh\nssh not successful for host nosuch.invalid:\n"
+     "ssh: Could not resolve hostname nosuch.invalid: Name or service not known\n\n",
+     "hvdtrain: error: cannot reach host nosuch.invalid over ssh: ssh: Could not resolve hostname nosuch.invalid: "
+     "Name or service not known\n"),
+    ("usage: horovodrun [-h] [-v] -np NUM_PROC\n                  ...\nhorovodrun: error: unrecognized arguments: --foo\n",
+     "hvdtrain: error: horovodrun: error: unrecognized arguments: --foo\n"),
+], ids=["mpi-not-built", "no-mpirun", "ssh", "usage"])
+def test_horovodrun_failing_before_any_worker_started_says_why(output, expected):
+    code, _, err = relay(output, 1)
+    assert (code, err) == (1, expected)
+
+
+def test_a_run_stopped_on_purpose_keeps_its_exit_code():
+    output = ("[0]<stderr>:hvdtrain: stopped: SIGTERM received; checkpoint written at step 4\n"
+              "Process 0 exit with status code 75.\nProcess 1 exit with status code 75.\n"
+              + HOROVODRUN_WORKERS_FAILED.format(rank=0, code=75))
+    assert relay(output, 1) == (75, "", "hvdtrain: stopped: SIGTERM received; checkpoint written at step 4\n")
+
+
+def test_after_a_successful_run_nothing_is_lost():
+    """A traceback a worker printed and survived (a library logging a handled error) is shown
+    at the end, with its rank."""
+    output = tagged("[1]<stderr>:", REAL_ERROR) + "[0]<stdout>:done\n"
+    code, out, err = relay(output, 0)
+    assert (code, out) == (0, "[0]<stdout>:done\n")
+    assert err == tagged("[1]<stderr>:", REAL_ERROR)
+
+
+# ---------------------------------------------------------------- real runs
+
+INJECT = WORKERS / "failure_injection"
+
+
+def inject(failure: str) -> dict:
+    return {"PYTHONPATH": os.pathsep.join([str(INJECT), os.environ.get("PYTHONPATH", "")]),
+            "HVDTRAIN_TEST_FAIL": failure}
+
+
+def assert_no_echoes(text: str):
+    for echo in ("Horovod has been shut down", "HorovodInternalError", "Horovod detected", "Terminated",
+                 "mpirun detected"):
+        assert echo not in text, text
+
+
+@pytest.mark.workers
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_launch_shows_the_failing_workers_traceback_once(tmp_path, tiny_config, controller):
+    proc = hvdtrain("launch", f"--{controller}", "-np", "2", tiny_config(), f"out_dir={tmp_path / 'run'}",
+                    env=inject("error"))
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith("hvdtrain: worker 1 failed:\nTraceback (most recent call last):\n")
+    assert proc.stderr.endswith("RuntimeError: injected failure in the middle of training\n")
+    assert proc.stderr.count("Traceback") == 1
+    assert_no_echoes(proc.stdout + proc.stderr)
+
+
+@pytest.mark.workers
+def test_a_user_error_on_one_worker_only_is_reported(tmp_path, tiny_config):
+    """E.g. the data missing on the second host: rank 1 fails, rank 0 is stopped."""
+    config, out = tiny_config(), tmp_path / "run"
+    line = "hvdtrain: error: injected user error on this worker only\n"
+    proc = hvdtrain("launch", "--gloo", "-np", "2", config, f"out_dir={out}", env=inject("user-error"))
+    assert (proc.returncode, proc.stderr) == (2, line)
+    assert_no_echoes(proc.stdout)
+    # Plain horovodrun shows every worker's own line, with its rank: here only rank 1 has one.
+    proc = horovodrun(2, ["-m", "hvdtrain.cli", "train", config, f"out_dir={out}"], env=inject("user-error"))
+    assert proc.returncode != 0 and f"[1]<stderr>:{line}" in proc.stderr and proc.stderr.count("hvdtrain: error") == 1
+
+
+@pytest.mark.workers
+def test_horovodrun_s_own_error_reaches_the_user(tmp_path, tiny_config):
+    """--mpi where mpirun is not on PATH: horovodrun fails before starting any worker."""
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    for tool in ("sh", "env"):
+        (bare / tool).symlink_to(f"/bin/{tool}")
+    proc = hvdtrain("launch", "--mpi", "-np", "2", tiny_config(), f"out_dir={tmp_path / 'run'}",
+                    env={"PATH": f"{BIN}{os.pathsep}{bare}"})
+    assert proc.returncode != 0
+    assert proc.stderr == "hvdtrain: error: horovodrun: horovod does not find an installed MPI.\n"
+
+
+@pytest.fixture
+def silent_port():
+    """A port on 127.0.0.4 that accepts TCP connections and never says anything: a host whose
+    ssh does not answer (a hung machine, a firewall that swallows packets)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.4", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.3", 0))
+        return s.getsockname()[1]  # nothing listens once the socket is closed
+
+
+@pytest.mark.workers
+def test_a_host_that_refuses_or_does_not_answer_is_one_line_within_the_start_timeout(tmp_path, tiny_config,
+                                                                                     silent_port):
+    """horovodrun itself would try each host 5 times with a 10 s timeout and name it on stdout."""
+    for host, port, why in [("127.0.0.3", closed_port(), "Connection refused"),
+                            ("127.0.0.4", silent_port, "timed out")]:
+        start = time.monotonic()
+        proc = hvdtrain("launch", "--gloo", "-np", "2", "-H", f"127.0.0.1:1,{host}:1", "--start-timeout", "2",
+                        f"--horovodrun-args=--ssh-port {port}", tiny_config(), f"out_dir={tmp_path / 'run'}")
+        assert time.monotonic() - start < 12
+        assert proc.returncode == 2
+        lines = proc.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"hvdtrain: error: cannot reach host {host} over ssh")
+        assert why in lines[0]
+        assert not (tmp_path / "run").exists()
+
+
+def test_hosts_and_slots_are_checked_before_anything_starts(tmp_path, tiny_config):
+    for args, words in [(["-H", "node1:x"], "-H: expected host1:slots"),
+                        (["-np", "3", "-H", "127.0.0.1:2"], "-np 3 is more than the slots of -H 127.0.0.1:2")]:
+        proc = hvdtrain("launch", *args, tiny_config(), f"out_dir={tmp_path / 'run'}")
+        assert proc.returncode == 2 and proc.stderr.startswith("hvdtrain: error: ") and words in proc.stderr
+        assert len(proc.stderr.splitlines()) == 1
