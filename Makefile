@@ -8,8 +8,10 @@ BIN := $(VENV)/bin
 .PHONY: setup train test test-fast bench clean
 
 # venv, torch (TORCH_SPEC=... to choose a build), Horovod built for this machine, hvdtrain.
+# As root on Debian/Ubuntu it apt-installs what is missing (Open MPI, ...); SETUP_ARGS=--sshd
+# adds the OpenSSH server that the several-hosts test needs (CI sets it).
 setup:
-	$(PYTHON) scripts/install.py --venv $(VENV)
+	$(PYTHON) scripts/install.py --venv $(VENV) $(SETUP_ARGS)
 
 # The default recipe on $(NP) local workers, then a sample from the trained model.
 train: setup

@@ -2,8 +2,14 @@
 """Set up an hvdtrain environment: venv, torch, Horovod built for this machine, hvdtrain.
 
 One script for local set-up (`make setup`), CI and the container image. It only uses the
-standard library, so it runs before anything is installed. Each step is skipped when its
-result is already there, so a second call costs a few seconds.
+standard library and runs on Python 3.10.0 and later (Debian 12's 3.11.2, Ubuntu 22.04's 3.10,
+24.04's 3.12 included), before anything is installed. Each step is skipped when its result is
+already there, so a second call costs a few seconds.
+
+On Debian and Ubuntu, run as root, it first installs with apt-get what the machine lacks:
+Open MPI (so that Horovod is built with MPI besides Gloo), CMake and g++ for the build, the
+system Python's venv module and headers, and with --sshd an OpenSSH server (the several-hosts
+test starts its own on the loopback). Otherwise it says what it skipped and why.
 
 Horovod's last release (0.28.1) does not build against current PyTorch and compilers as
 published, so we download its source package from PyPI, check it against a pinned sha256,
@@ -12,6 +18,7 @@ per feature set): Horovod refuses to import when torch changed after it was buil
 
     python3 scripts/install.py --venv .venv              # full set-up
     python3 scripts/install.py --print-horovod-env        # show the build flags it would use
+    python3 scripts/install.py --sshd                     # CI: also what the several-hosts test needs
 """
 import argparse
 import glob
@@ -55,6 +62,54 @@ def python_says(python, code):
     """Run `code` in `python`; return its stdout, or None when it fails."""
     proc = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
     return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+# ---------------------------------------------------------------- system packages (Debian, Ubuntu)
+
+# What set-up asks of a base interpreter: its version, whether it is the system's (Debian and
+# Ubuntu split venv and the C headers into packages for it) and whether it has them.
+PYTHON_PROBE = ("import json, os, sys, sysconfig, importlib.util; print(json.dumps({"
+                "'version': '%d.%d' % sys.version_info[:2], 'system': sys.base_prefix == '/usr', "
+                "'headers': os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')), "
+                "'ensurepip': importlib.util.find_spec('ensurepip') is not None}))")
+
+
+def missing_system_packages(base_python: str, env: dict, make_venv: bool, sshd: bool) -> list[tuple[str, str]]:
+    """(Debian/Ubuntu packages, what for) that this machine lacks for set-up."""
+    path = env.get("PATH")
+    python = json.loads(python_says(base_python, PYTHON_PROBE) or "{}")
+    missing = []
+    if shutil.which("mpicxx", path=path) is None:
+        missing.append(("openmpi-bin libopenmpi-dev", "Open MPI; without it Horovod is built with Gloo only"))
+    if shutil.which("cmake", path=path) is None:
+        missing.append(("cmake", "Horovod's build"))
+    if shutil.which("c++", path=path) is None and shutil.which("g++", path=path) is None:
+        missing.append(("g++", "Horovod's build"))
+    if python.get("system") and not python["headers"]:
+        missing.append((f"python{python['version']}-dev", f"Python.h of {base_python}, for Horovod's build"))
+    if python.get("system") and make_venv and not python["ensurepip"]:
+        missing.append((f"python{python['version']}-venv", f"`{base_python} -m venv`"))
+    if sshd and shutil.which("sshd", path=os.pathsep.join(filter(None, [path, "/usr/sbin"]))) is None:
+        missing.append(("openssh-server", "the several-hosts test, which starts its own sshd"))
+    return missing
+
+
+def ensure_system_packages(missing: list[tuple[str, str]], env: dict, is_root: bool):
+    """apt-get install what is missing, when this is root on a machine with apt-get; else say why not."""
+    if not missing:
+        return
+    packages = [name for names, _ in missing for name in names.split()]
+    what = "; ".join(f"{names} ({why})" for names, why in missing)
+    if shutil.which("apt-get", path=env.get("PATH")) is None:
+        log(f"not installing {what}: no apt-get here, install them with this system's package manager")
+        return
+    if not is_root:
+        log(f"not installing {what}: not root; `sudo apt-get install {' '.join(packages)}`, then set up again")
+        return
+    log(f"installing {what}")
+    apt_env = dict(env, DEBIAN_FRONTEND="noninteractive")
+    run(["apt-get", "update"], env=apt_env)
+    run(["apt-get", "install", "-y", "--no-install-recommends", *packages], env=apt_env)
 
 
 # ---------------------------------------------------------------- venv and torch
@@ -197,7 +252,9 @@ def fetch_patched_source(python: Path, build_dir: Path) -> Path:
     src = build_dir / f"horovod-{HOROVOD_VERSION}"
     shutil.rmtree(src, ignore_errors=True)
     with tarfile.open(sdist) as tar:
-        tar.extractall(build_dir, filter="data")
+        # The checksum above makes the archive the published one. Extraction filters came with
+        # Python 3.12 and 3.11.4 / 3.10.12 (not Debian 12's 3.11.2): use one where there is one.
+        tar.extractall(build_dir, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     for rel, old, new in HOROVOD_PATCHES:
         path = src / rel
         text = path.read_text()
@@ -207,14 +264,23 @@ def fetch_patched_source(python: Path, build_dir: Path) -> Path:
     return src
 
 
+# The feature tag of the Horovod installed in a venv, if it imports with this torch.
+INSTALLED_FEATURES = ("import horovod.torch as h; "
+                      "print('-'.join(['gloo'] * bool(h.gloo_built()) + ['mpi'] * bool(h.mpi_built()) + "
+                      "['nccl'] * bool(h.nccl_built())))")
+
+
 def ensure_horovod(python: Path, cache_dir: Path, jobs: int):
-    if python_says(python, "import horovod.torch") is not None:
-        log("Horovod is installed and matches this torch")
-        return
     torch = torch_info(python)
     build_dir = cache_dir / "build"
     build_dir.mkdir(parents=True, exist_ok=True)
     flags = detect(python, torch, build_dir, dict(os.environ))
+    installed = python_says(python, INSTALLED_FEATURES)
+    if installed is not None and set(feature_tag(flags).split("-")) <= set(installed.split("-")):
+        log(f"Horovod is installed ({installed}) and matches this torch")
+        return
+    if installed is not None:
+        log(f"the installed Horovod has {installed}, this machine can have {feature_tag(flags)}: replacing it")
     wheel_dir = cache_dir / "wheels" / f"torch-{torch['version']}-{feature_tag(flags)}"
     wheels = sorted(wheel_dir.glob("horovod-*.whl"))
     if not wheels:
@@ -259,7 +325,15 @@ def main():
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--print-horovod-env", action="store_true",
                         help="print the Horovod build variables this machine gets, as JSON, and exit")
+    parser.add_argument("--sshd", action="store_true",
+                        help="also install an OpenSSH server (for the several-hosts test; CI sets it)")
+    parser.add_argument("--no-apt", action="store_true", help="install no system packages, even as root")
     args = parser.parse_args()
+
+    if not args.print_horovod_env and not args.no_apt:
+        make_venv = not args.no_venv and not (Path(args.venv) / "bin" / "python").exists()
+        missing = missing_system_packages(args.python, dict(os.environ), make_venv, args.sshd)
+        ensure_system_packages(missing, dict(os.environ), is_root=os.geteuid() == 0)
 
     python = Path(args.python) if args.no_venv else ensure_venv(Path(args.venv), args.python)
     cache_dir = Path(args.cache_dir)

@@ -236,3 +236,145 @@ def test_an_sdist_matching_the_pin_is_unpacked_and_patched_for_cxx17(install, tm
     for rel, old, new in install.HOROVOD_PATCHES:
         text = (src / rel).read_text()
         assert new in text and old not in text, rel
+
+
+@pytest.mark.parametrize("has_filter", [True, False], ids=["python-3.12", "python-3.11.2"])
+def test_the_sdist_unpacks_with_and_without_tarfile_extraction_filters(install, tmp_path, monkeypatch, has_filter):
+    """Extraction filters exist from Python 3.12 and 3.11.4 / 3.10.12 on; Debian 12's 3.11.2 has none."""
+    if not has_filter:
+        monkeypatch.delattr(install.tarfile, "data_filter", raising=False)
+        real_extractall = tarfile.TarFile.extractall
+
+        def extractall_of_3_11_2(self, path=".", members=None, *, numeric_owner=False):
+            return real_extractall(self, path, members, numeric_owner=numeric_owner)
+
+        monkeypatch.setattr(tarfile.TarFile, "extractall", extractall_of_3_11_2)
+    build = tmp_path / "build"
+    build.mkdir()
+    sdist = write_sdist(install, build)
+    monkeypatch.setattr(install, "HOROVOD_SHA256", hashlib.sha256(sdist.read_bytes()).hexdigest())
+    src = install.fetch_patched_source(Path("/nonexistent/python"), build)
+    assert all(new in (src / rel).read_text() for rel, _old, new in install.HOROVOD_PATCHES)
+
+
+# ---------------------------------------------------------------- system packages (apt)
+
+def fake_apt_machine(tmp_path: Path, *tools: str) -> dict:
+    """A machine with apt-get (which records its arguments and DEBIAN_FRONTEND) and `tools`."""
+    env = fake_machine(tmp_path, *tools)
+    apt = tmp_path / "bin" / "apt-get"
+    apt.write_text(f'#!/bin/sh\necho "$DEBIAN_FRONTEND $*" >> {tmp_path / "apt.log"}\n')
+    apt.chmod(0o755)
+    return env
+
+
+def apt_calls(tmp_path: Path) -> list[str]:
+    log = tmp_path / "apt.log"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def set_up_system(install, tmp_path, env, is_root=True, python=sys.executable, make_venv=True, sshd=False):
+    missing = install.missing_system_packages(python, env, make_venv, sshd)
+    install.ensure_system_packages(missing, env, is_root)
+    return apt_calls(tmp_path)
+
+
+def test_as_root_with_apt_open_mpi_is_installed_non_interactively_after_an_update(install, tmp_path, capsys):
+    env = fake_apt_machine(tmp_path, "cmake", "g++")
+    assert set_up_system(install, tmp_path, env) == [
+        "noninteractive update", "noninteractive install -y --no-install-recommends openmpi-bin libopenmpi-dev"]
+    assert "installing openmpi-bin libopenmpi-dev (Open MPI" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("is_root,apt,reason", [(False, True, "not root"), (True, False, "no apt-get")])
+def test_without_root_or_apt_nothing_is_installed_and_the_log_says_why(install, tmp_path, capsys, is_root, apt, reason):
+    env = (fake_apt_machine if apt else fake_machine)(tmp_path, "cmake", "g++")
+    assert set_up_system(install, tmp_path, env, is_root=is_root) == []
+    out = capsys.readouterr().out
+    assert "not installing openmpi-bin libopenmpi-dev" in out and reason in out and "Gloo only" in out
+
+
+def test_a_machine_with_everything_installs_nothing(install, tmp_path, capsys):
+    env = fake_apt_machine(tmp_path, "mpicxx", "cmake", "c++")
+    assert set_up_system(install, tmp_path, env, sshd=False) == []
+    assert capsys.readouterr().out == ""
+
+
+def test_build_tools_and_the_ssh_server_are_installed_when_missing(install, tmp_path):
+    env = fake_apt_machine(tmp_path, "mpicxx")
+    calls = set_up_system(install, tmp_path, env, sshd=True)
+    assert calls[-1] == "noninteractive install -y --no-install-recommends cmake g++ openssh-server"
+
+
+def test_a_debian_system_python_gets_its_venv_module_and_headers(install, tmp_path):
+    """Debian and Ubuntu ship `python3 -m venv` (ensurepip) and Python.h as separate packages."""
+    env = fake_apt_machine(tmp_path, "mpicxx", "cmake", "g++")
+    system_python = tmp_path / "python3.11"
+    probe = {"version": "3.11", "system": True, "headers": False, "ensurepip": False}
+    system_python.write_text(f"#!/bin/sh\necho '{json.dumps(probe)}'\n")
+    system_python.chmod(0o755)
+    calls = set_up_system(install, tmp_path, env, python=str(system_python))
+    assert calls[-1] == "noninteractive install -y --no-install-recommends python3.11-dev python3.11-venv"
+    # In an existing venv (or the container's --no-venv) the venv module is not needed.
+    (tmp_path / "apt.log").unlink()
+    calls = set_up_system(install, tmp_path, env, python=str(system_python), make_venv=False)
+    assert calls[-1] == "noninteractive install -y --no-install-recommends python3.11-dev"
+
+
+def test_the_real_probe_answers_on_this_interpreter(install):
+    probe = json.loads(install.python_says(sys.executable, install.PYTHON_PROBE))
+    assert probe["version"] == "%d.%d" % sys.version_info[:2] and probe["headers"] in (True, False)
+
+
+# ---------------------------------------------------------------- the wheel cache and the installed Horovod
+
+def horovod_set_up(install, tmp_path, monkeypatch, machine_flags: dict, installed: str | None,
+                   cached_tags: list[str]) -> list[str]:
+    """ensure_horovod on a machine whose build flags are `machine_flags`, with a Horovod of the
+    `installed` features (None: none importable) and cached wheels under these feature tags.
+    Returns what it did: the wheel it installed, or "build"."""
+    cache = tmp_path / "cache"
+    for tag in cached_tags:
+        wheel = cache / "wheels" / f"torch-{CPU_TORCH['version']}-{tag}" / "horovod-0.28.1-cp311-linux_x86_64.whl"
+        wheel.parent.mkdir(parents=True)
+        wheel.write_text("")
+    done = []
+    monkeypatch.setattr(install, "torch_info", lambda python: CPU_TORCH)
+    monkeypatch.setattr(install, "detect", lambda *a: machine_flags)
+    monkeypatch.setattr(install, "python_says", lambda python, code: installed if code == install.INSTALLED_FEATURES else None)
+
+    def build(*a):
+        done.append("build")
+        raise StopIteration  # no real build in a unit test
+
+    monkeypatch.setattr(install, "fetch_patched_source", build)
+    monkeypatch.setattr(install, "run", lambda cmd, **kw: done.extend(
+        Path(c).parent.name for c in cmd if str(c).endswith(".whl")))
+    try:
+        install.ensure_horovod(Path("/venv/bin/python"), cache, jobs=1)
+    except StopIteration:
+        pass
+    return done
+
+
+GLOO_MPI = {"HOROVOD_WITH_GLOO": "1", "HOROVOD_WITH_MPI": "1"}
+GLOO_ONLY = {"HOROVOD_WITH_GLOO": "1", "HOROVOD_WITHOUT_MPI": "1"}
+
+
+def test_the_wheel_cache_key_covers_mpi(install, tmp_path, monkeypatch):
+    """A Gloo-only wheel in the cache is not used on a machine that has Open MPI, and the other way round."""
+    assert horovod_set_up(install, tmp_path / "a", monkeypatch, GLOO_MPI, None, ["gloo"]) == ["build"]
+    assert horovod_set_up(install, tmp_path / "b", monkeypatch, GLOO_MPI, None, ["gloo", "gloo-mpi"]) == [
+        f"torch-{CPU_TORCH['version']}-gloo-mpi"]
+    assert horovod_set_up(install, tmp_path / "c", monkeypatch, GLOO_ONLY, None, ["gloo", "gloo-mpi"]) == [
+        f"torch-{CPU_TORCH['version']}-gloo"]
+
+
+def test_an_installed_gloo_only_horovod_is_replaced_once_open_mpi_is_there(install, tmp_path, monkeypatch, capsys):
+    assert horovod_set_up(install, tmp_path / "a", monkeypatch, GLOO_MPI, "gloo-mpi", []) == []
+    assert "Horovod is installed (gloo-mpi)" in capsys.readouterr().out
+    assert horovod_set_up(install, tmp_path / "b", monkeypatch, GLOO_MPI, "gloo", ["gloo-mpi"]) == [
+        f"torch-{CPU_TORCH['version']}-gloo-mpi"]
+    assert "has gloo, this machine can have gloo-mpi: replacing it" in capsys.readouterr().out
+    # A Horovod with more than this machine would build (MPI, but mpicxx not on PATH now) stays.
+    assert horovod_set_up(install, tmp_path / "c", monkeypatch, GLOO_ONLY, "gloo-mpi", []) == []
