@@ -95,9 +95,11 @@ def run_launch(args) -> int:
         check_hosts_reachable(args)
     cmd = horovodrun_command(args, ["train", args.config, *args.overrides])
     env = dict(os.environ)
-    if not args.hosts and "OMP_NUM_THREADS" not in env:
-        # One host: share its cores between the workers instead of oversubscribing them.
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.np))
+    if not args.hosts:
+        # One host: its workers share its cores. Give each its share of compute threads, and
+        # make Open MPI (under --mpi) yield the core while a worker waits instead of spinning.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.np)))
+        env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     relay = Relay(hosts_by_rank(args.hosts, args.np))
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     for line in proc.stdout:

@@ -40,8 +40,13 @@ def write_config(path: Path, overrides: dict | None = None, base: dict = TINY) -
     return path
 
 
+# The test machine's cores are shared by all workers: Open MPI yields them while it waits
+# instead of spinning (as `hvdtrain launch` on one host does).
+SHARED_CORES = {"OMPI_MCA_mpi_yield_when_idle": "1"}
+
+
 def run_cmd(args: list, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    full_env = dict(os.environ, **OFFLINE, **(env or {}))
+    full_env = dict(os.environ, **OFFLINE, **SHARED_CORES, **(env or {}))
     return subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=timeout, env=full_env,
                           cwd=REPO)
 
