@@ -2,10 +2,13 @@
 
 Layout: OUT_DIR/checkpoints/step_00000100/
   config.json            the transformers model config (to rebuild the model for export)
-  model.safetensors      the weights (safetensors; tied tensors stored once)
+  model.safetensors      the weights under the model's own parameter names (tied tensors once)
   optimizer.safetensors  the optimizer's per-parameter state, keyed "<parameter name>::<key>"
                          (e.g. "transformer.h.0.mlp.c_fc.weight::exp_avg"), so it does not
                          depend on the order in which an optimizer lists its parameters
+    With pipeline stages each stage writes its own part instead, model-00001-of-00002.safetensors
+    and optimizer-00001-of-00002.safetensors ...; the names are the whole model's, so a
+    checkpoint written with any layout loads into any other (and into one process for export).
   rng.safetensors        every rank's RNG states ("rank<R>/<generator>")
   state.json             step, data stream position, world size, grad scaler, the run's config
   manifest.json          size and CRC-32 of every file above; written last
@@ -29,8 +32,8 @@ import zlib
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file, save_model
 
 from hvdtrain.errors import UserError
 from hvdtrain.paths import written_whole
@@ -92,25 +95,48 @@ def optimizer_tensors(optimizer, model) -> dict[str, torch.Tensor]:
             for index, values in optimizer.state_dict()["state"].items() for key, value in values.items()}
 
 
-def save_checkpoint(out_dir, step: int, model, optimizer, state: dict, rngs: list[dict], keep: int) -> Path:
-    """Write step `step` of a run; keep the newest `keep` checkpoints. Called on one rank."""
+def part_names(index: int, count: int) -> tuple[str, str]:
+    """(model file, optimizer file) of part `index` of `count` (pipeline stages write one each)."""
+    if count == 1:
+        return MODEL_FILE, OPTIMIZER_FILE
+    suffix = f"-{index + 1:05d}-of-{count:05d}.safetensors"
+    return "model" + suffix, "optimizer" + suffix
+
+
+def begin_checkpoint(out_dir, step: int) -> Path:
+    """The empty temporary folder the writers of step `step` write into. Called on one rank,
+    before the others write."""
     root = checkpoint_dir(out_dir)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:08d}"
-    tmp = root / f".tmp-{final.name}"
+    tmp = root / f".tmp-step_{step:08d}"
     shutil.rmtree(tmp, ignore_errors=True)
     with written_whole(f"the checkpoint of step {step} in {root}", tmp):
         tmp.mkdir()
-        model.config.to_json_file(tmp / MODEL_CONFIG_FILE)
-        save_model(model, str(tmp / MODEL_FILE))
-        save_file(optimizer_tensors(optimizer, model), str(tmp / OPTIMIZER_FILE))
+    return tmp
+
+
+def write_part(tmp: Path, index: int, count: int, model, optimizer):
+    """This writer's weights and optimizer state (the whole model's, or one stage's)."""
+    model_file, optimizer_file = part_names(index, count)
+    with written_whole(f"the checkpoint {tmp.name[len('.tmp-'):]} in {tmp.parent}", tmp):
+        save_model(model, str(tmp / model_file))
+        save_file(optimizer_tensors(optimizer, model), str(tmp / optimizer_file))
+
+
+def finish_checkpoint(tmp: Path, step: int, model_config, state: dict, rngs: list[dict], keep: int) -> Path:
+    """After every part is written: the run's state, the manifest last, the rename into place;
+    keep the newest `keep` checkpoints. Called on one rank."""
+    root = tmp.parent
+    final = root / f"step_{step:08d}"
+    with written_whole(f"the checkpoint of step {step} in {root}", tmp):
+        model_config.to_json_file(tmp / MODEL_CONFIG_FILE)
         save_file({f"rank{r}/{k}": v.contiguous() for r, rng in enumerate(rngs) for k, v in rng.items()},
                   str(tmp / RNG_FILE))
         (tmp / STATE_FILE).write_text(json.dumps({"format": FORMAT, **state}, indent=1))
         files = {}
-        for name in (MODEL_CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE):
-            _fsync(tmp / name)
-            files[name] = {"bytes": (tmp / name).stat().st_size, "crc32": _crc32(tmp / name)}
+        for f in sorted(tmp.iterdir()):
+            _fsync(f)
+            files[f.name] = {"bytes": f.stat().st_size, "crc32": _crc32(f)}
         # The manifest last: a folder with a valid manifest is a complete checkpoint.
         (tmp / MANIFEST_FILE).write_text(json.dumps({"format": FORMAT, "step": step, "files": files}, indent=1))
         _fsync(tmp / MANIFEST_FILE)
@@ -124,10 +150,17 @@ def save_checkpoint(out_dir, step: int, model, optimizer, state: dict, rngs: lis
     else:
         tmp.rename(final)
     _fsync(root)
-    for stale in list_checkpoints(out_dir)[:-keep]:
+    for stale in list_checkpoints(root.parent)[:-keep]:
         if stale != final:  # never the checkpoint just written, whatever else the folder holds
             shutil.rmtree(stale)
     return final
+
+
+def save_checkpoint(out_dir, step: int, model, optimizer, state: dict, rngs: list[dict], keep: int) -> Path:
+    """The whole checkpoint of a model held by one process."""
+    tmp = begin_checkpoint(out_dir, step)
+    write_part(tmp, 0, 1, model, optimizer)
+    return finish_checkpoint(tmp, step, model.config, state, rngs, keep)
 
 
 def recover_interrupted_writes(out_dir):
@@ -238,18 +271,57 @@ def read_rngs(path: Path, world_size: int) -> list[dict[str, torch.Tensor]]:
     return rngs
 
 
-def load_weights(model, path: Path):
+def tie_aliases(model) -> dict[str, list[str]]:
+    """For each parameter name, the other names of the same tied parameter in the whole model
+    (GPT-2's wte and lm_head, BERT's word embeddings and decoder): a checkpoint may hold it
+    under one name only (one process) or under both (pipeline stages)."""
+    by_param = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_param.setdefault(p, []).append(name)
+    return {n: [m for m in names if m != n] for names in by_param.values() for n in names if len(names) > 1}
+
+
+def _read_tensors(path: Path, prefix: str, wanted) -> dict[str, torch.Tensor]:
+    """The tensors named in `wanted` (a predicate on names) from every part file `prefix`*."""
+    out = {}
+    for f in sorted(path.glob(f"{prefix}*.safetensors")):
+        with safe_open(str(f), framework="pt") as part:
+            for key in part.keys():
+                if wanted(key):
+                    out[key] = part.get_tensor(key)
+    return out
+
+
+def load_weights(model, path: Path, aliases: dict[str, list[str]] | None = None):
+    """Fill `model` (a whole model or one pipeline stage) from the checkpoint's parts, by name."""
+    aliases = tie_aliases(model) if aliases is None else aliases
+    needed = model.state_dict()
+    wanted = set(needed) | {a for n in needed for a in aliases.get(n, [])}
+    saved = _read_tensors(path, "model", wanted.__contains__)
+    found = {}
+    for name in needed:
+        source = next((n for n in [name, *aliases.get(name, [])] if n in saved), None)
+        if source is None:
+            raise UserError(f"the checkpoint {path} has no weights for '{name}'; it was written for another model")
+        found[name] = saved[source]
     try:
-        load_model(model, str(path / MODEL_FILE))
-    except (SafetensorError, RuntimeError) as e:
-        raise UserError(f"{path / MODEL_FILE} does not fit this model ({str(e).splitlines()[0]})") from None
+        model.load_state_dict(found, strict=True)
+    except RuntimeError as e:
+        raise UserError(f"the checkpoint {path} does not fit this model ({str(e).strip().splitlines()[-1].strip()})") from None
 
 
-def load_optimizer(optimizer, model, path: Path):
-    """Fill a freshly built optimizer with the state saved by name in `path`."""
+def load_optimizer(optimizer, model, path: Path, aliases: dict[str, list[str]] | None = None):
+    """Fill a freshly built optimizer with the state saved by parameter name in `path`."""
+    aliases = tie_aliases(model) if aliases is None else aliases
+    names = parameter_names(optimizer, model)
+    wanted = {a for n in names for a in [n, *aliases.get(n, [])]}
     by_name = {}
-    for key, value in load_file(str(path / OPTIMIZER_FILE)).items():
+    for key, value in _read_tensors(path, "optimizer", lambda k: k.split("::", 1)[0] in wanted).items():
         name, field = key.split("::", 1)
         by_name.setdefault(name, {})[field] = value
-    state = {index: by_name[name] for index, name in enumerate(parameter_names(optimizer, model)) if name in by_name}
+    state = {}
+    for index, name in enumerate(names):
+        source = next((n for n in [name, *aliases.get(name, [])] if n in by_name), None)
+        if source is not None:
+            state[index] = by_name[source]
     optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})

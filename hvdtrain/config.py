@@ -49,7 +49,11 @@ class DataConfig:
     mlm_probability: float = 0.15
     synthetic_samples: int = 2048
     num_workers: int = 1  # DataLoader worker processes per rank
-    num_proc: int = 1  # processes for tokenization
+    # Tokenizing processes per worker; null: the cores this worker may use (os.sched_getaffinity).
+    num_proc: Optional[int] = None
+    max_documents: Optional[int] = None  # read at most this many documents of each split of the source
+    max_tokens: Optional[int] = None  # stop preparing once the training split has this many tokens
+    tokenizer_sample_mb: float = 64.0  # a trained tokenizer learns from this many million characters
     cache_dir: Optional[str] = None  # default ~/.cache/hvdtrain
 
 
@@ -95,6 +99,29 @@ class HorovodConfig:
 
 
 @dataclass
+class ParallelConfig:
+    # Pipeline parallelism, for models that do not fit one GPU: the transformer's layers are cut
+    # into this many consecutive stages on different workers (embeddings on the first, the head
+    # on the last), and Horovod data parallelism runs across the copies of each stage:
+    # workers = pipeline_stages x data-parallel copies. 1: every worker holds the whole model.
+    pipeline_stages: int = 1
+    # torch.distributed.pipelining's schedule. interleaved1f1b runs stages_per_rank stages per worker.
+    schedule: Literal["gpipe", "1f1b", "interleaved1f1b"] = "1f1b"
+    stages_per_rank: int = 1
+    # Micro batches per run of the schedule (>= pipeline_stages); each optimizer step runs
+    # grad_accum micro batches, so grad_accum must be a multiple. Default: grad_accum (one run per
+    # step, the smallest bubble: (p-1)/(m+p-1)).
+    microbatches: Optional[int] = None
+    # Hand-made split: stage i owns layers b[i] .. b[i+1]-1, from 0 to model.n_layer. Default:
+    # even, counting the embedding and the head as one layer each.
+    layer_boundaries: Optional[list[int]] = None
+    # When the copies of a stage reduce their gradients: "during" the pipeline's backward
+    # (Horovod's hooks, overlapped) or "after" it (one grouped allreduce). On NCCL two
+    # communicators in flight at once can hang, so the default is "after" on GPUs, "during" on CPUs.
+    reduce_gradients: Optional[Literal["during", "after"]] = None
+
+
+@dataclass
 class CheckpointConfig:
     every: int = 0  # steps between checkpoints; 0: only at the end
     keep: int = 2  # how many of the newest checkpoints to keep
@@ -135,6 +162,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     horovod: HorovodConfig = field(default_factory=HorovodConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -319,7 +347,11 @@ def validate(cfg: Config):
     _require(0 < d.mlm_probability < 1, "data.mlm_probability", "a number in (0, 1)", d.mlm_probability)
     _require(d.vocab_size >= 64, "data.vocab_size", "an integer >= 64", d.vocab_size)
     _require(d.num_workers >= 0, "data.num_workers", "an integer >= 0", d.num_workers)
-    _require(d.num_proc >= 1, "data.num_proc", "an integer >= 1", d.num_proc)
+    _require(d.num_proc is None or d.num_proc >= 1, "data.num_proc", "an integer >= 1 or null", d.num_proc)
+    _require(d.max_documents is None or d.max_documents >= 1, "data.max_documents", "an integer >= 1 or null",
+             d.max_documents)
+    _require(d.max_tokens is None or d.max_tokens >= 1, "data.max_tokens", "an integer >= 1 or null", d.max_tokens)
+    _require(d.tokenizer_sample_mb > 0, "data.tokenizer_sample_mb", "a number > 0", d.tokenizer_sample_mb)
     _require(d.synthetic_samples >= 1, "data.synthetic_samples", "an integer >= 1", d.synthetic_samples)
     _require(m.n_layer >= 1, "model.n_layer", "an integer >= 1", m.n_layer)
     _require(m.n_head >= 1 and m.d_model % m.n_head == 0, "model.n_head",
@@ -334,6 +366,13 @@ def validate(cfg: Config):
     _require(cfg.eval.batches >= 1, "eval.batches", "an integer >= 1", cfg.eval.batches)
     _require(cfg.horovod.gradient_predivide_factor > 0, "horovod.gradient_predivide_factor", "a number > 0",
              cfg.horovod.gradient_predivide_factor)
+    par = cfg.parallel
+    _require(par.pipeline_stages >= 1, "parallel.pipeline_stages", "an integer >= 1", par.pipeline_stages)
+    _require(par.stages_per_rank >= 1, "parallel.stages_per_rank", "an integer >= 1", par.stages_per_rank)
+    _require(par.microbatches is None or par.microbatches >= 1, "parallel.microbatches", "null or an integer >= 1",
+             par.microbatches)
+    _require(par.pipeline_stages * par.stages_per_rank <= m.n_layer or m.pretrained, "parallel.pipeline_stages",
+             f"at most model.n_layer={m.n_layer} stages in all (x parallel.stages_per_rank)", par.pipeline_stages)
     if cfg.horovod.op == "adasum":
         # Horovod's Adasum optimizer applies each update inside the backward hooks, before the
         # token normalisation, fp16 unscaling and gradient clipping that every step needs.
@@ -349,15 +388,25 @@ def validate(cfg: Config):
 
 def resolve_batch(cfg: Config, world_size: int) -> tuple[int, int]:
     """(grad_accum, global_batch) for this world size. With train.global_batch_size set, the
-    global batch stays fixed and accumulation absorbs the change of world size."""
-    t = cfg.train
+    global batch stays fixed and accumulation absorbs the change of world size. With pipeline
+    stages, the copies that read different data are world_size / parallel.pipeline_stages."""
+    t, stages = cfg.train, cfg.parallel.pipeline_stages
+    if world_size % stages:
+        raise UserError(f"config key 'parallel.pipeline_stages': {stages} does not divide the {world_size} workers")
+    copies = world_size // stages
+    readers = "workers" if stages == 1 else f"data-parallel copies ({world_size} workers / {stages} stages)"
     if t.global_batch_size is None:
-        return t.grad_accum, t.micro_batch_size * t.grad_accum * world_size
-    per_step = t.micro_batch_size * world_size
-    if t.global_batch_size % per_step:
+        grad_accum = t.grad_accum
+    elif t.global_batch_size % (t.micro_batch_size * copies):
         raise UserError(f"config key 'train.global_batch_size': {t.global_batch_size} is not a multiple of "
-                        f"train.micro_batch_size x workers = {t.micro_batch_size} x {world_size}")
-    return t.global_batch_size // per_step, t.global_batch_size
+                        f"train.micro_batch_size x {readers} = {t.micro_batch_size} x {copies}")
+    else:
+        grad_accum = t.global_batch_size // (t.micro_batch_size * copies)
+    microbatches = cfg.parallel.microbatches or grad_accum
+    if stages > 1 and grad_accum % microbatches:
+        raise UserError(f"config key 'parallel.microbatches': {microbatches} does not divide the {grad_accum} micro "
+                        f"batches of each step (train.micro_batch_size x micro batches x {readers} = global batch)")
+    return grad_accum, t.micro_batch_size * grad_accum * copies
 
 
 def last_step_of_run(t: TrainConfig, start_step: int) -> int:

@@ -67,7 +67,8 @@ def init(cfg: Config) -> World:
     if hvd is None:
         raise UserError("Horovod is not installed in this environment; run `make setup` (or scripts/install.py)")
     os.environ.update(horovod_env(cfg))
-    hvd.init()
+    # Pipeline stages reduce gradients within process sets that are added after init.
+    hvd.init(**({"process_sets": "dynamic"} if cfg.parallel.pipeline_stages > 1 else {}))
     if torch.cuda.is_available():
         torch.cuda.set_device(hvd.local_rank())
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast use TF32
@@ -115,13 +116,18 @@ def lr_scale(kind: str, world_size: int) -> float:
     return {"none": 1.0, "linear": float(world_size), "sqrt": world_size ** 0.5}[kind]
 
 
-def wrap_optimizer(optimizer, model, cfg: HorovodConfig, backward_passes_per_step: int):
+def reduce_op(cfg: HorovodConfig):
+    return {"average": hvd.Average, "sum": hvd.Sum}[cfg.op]
+
+
+def wrap_optimizer(optimizer, model, cfg: HorovodConfig, backward_passes_per_step: int, process_set=None):
     """hvd.DistributedOptimizer: allreduce starts from backward hooks as each gradient is ready.
 
     backward_passes_per_step = gradient accumulation steps, so the allreduce fires once per
-    optimizer step, after the last micro batch, not once per micro batch."""
+    optimizer step, after the last micro batch, not once per micro batch. With pipeline stages
+    `process_set` holds the copies of this worker's stage, and only they reduce together."""
     compression = hvd.Compression.fp16 if cfg.compression == "fp16" else hvd.Compression.none
-    op = {"average": hvd.Average, "sum": hvd.Sum}[cfg.op]
+    op = reduce_op(cfg)
     return hvd.DistributedOptimizer(
         optimizer,
         named_parameters=model.named_parameters(),
@@ -129,6 +135,7 @@ def wrap_optimizer(optimizer, model, cfg: HorovodConfig, backward_passes_per_ste
         op=op,
         gradient_predivide_factor=cfg.gradient_predivide_factor,
         backward_passes_per_step=backward_passes_per_step,
+        **({"process_set": process_set} if process_set is not None else {}),
     )
 
 
@@ -140,10 +147,14 @@ class TokenNormalizer:
     The global token count is allreduced in the background while the model computes (no extra
     synchronisation point before the forward pass): backward runs on the loss times a constant
     `loss_scale` that is the same on every rank, and once the allreduce of gradients and of the
-    count are both done, `finish` multiplies the gradients by the exact correction."""
+    count are both done, `finish` multiplies the gradients by the exact correction.
 
-    def __init__(self, op: str, world_size: int, expected_tokens: int):
-        self.op, self.world_size = op, world_size
+    With pipeline stages, `reduced_over` is the number of copies of a stage (their gradients are
+    averaged) and every stage of a pipeline reads the same samples, so the count summed over
+    all workers holds each target `stages` times."""
+
+    def __init__(self, op: str, reduced_over: int, expected_tokens: int, stages: int = 1):
+        self.op, self.reduced_over, self.stages = op, reduced_over, stages
         self.loss_scale = 1.0 / expected_tokens
 
     def start(self, local_targets: int, stop_vote: bool = False):
@@ -154,9 +165,9 @@ class TokenNormalizer:
         """Correct the reduced gradients; returns the global target count and whether any rank
         voted to stop."""
         total_targets, stop_votes = wait_sum(self.handle)
-        global_targets = max(1.0, total_targets)
-        # Average divided the sum over ranks by the world size; Sum did not.
-        factor = (self.world_size if self.op == "average" else 1) / (self.loss_scale * global_targets)
+        global_targets = max(1.0, total_targets / self.stages)
+        # Average divided the sum over the copies by their number; Sum did not.
+        factor = (self.reduced_over if self.op == "average" else 1) / (self.loss_scale * global_targets)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         torch._foreach_mul_(grads, factor)
         return global_targets, stop_votes > 0

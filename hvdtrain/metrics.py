@@ -19,7 +19,9 @@ from pathlib import Path
 from hvdtrain import flops
 from hvdtrain.errors import UserError
 
-PHASES = ("data", "forward", "backward", "allreduce", "optimizer")
+# "pipeline": with pipeline stages, the schedule's runs (forward and backward of the micro
+# batches, the sends and receives between stages and the bubble) in place of forward/backward.
+PHASES = ("data", "forward", "backward", "allreduce", "optimizer", "pipeline")
 FILE_NAME = "metrics.jsonl"
 
 
@@ -64,14 +66,14 @@ def summarize_ranks(per_rank, threshold: float) -> dict:
     """Breakdown and load imbalance from an array (world_size, len(PHASES) + 1) of per-step
     means: the phases, then the whole step.
 
-    A rank's busy time is data + forward + backward: what it spends before it can join the
+    A rank's busy time is data + forward + backward (+ pipeline): what it spends before it can join the
     allreduce. The other ranks wait for the slowest one inside the allreduce, so a straggler
     shows up as a large busy time on one rank and large allreduce time on the others."""
     mean = per_rank.mean(axis=0)
     record = {f"time_{p}": float(mean[i]) for i, p in enumerate(PHASES)}
     record["time_step"] = float(mean[-1])
     record["comm_fraction"] = record["time_allreduce"] / record["time_step"] if record["time_step"] > 0 else 0.0
-    compute = per_rank[:, 1] + per_rank[:, 2]
+    compute = per_rank[:, 1] + per_rank[:, 2] + per_rank[:, 5]
     busy = per_rank[:, 0] + compute
     record["compute_min"], record["compute_max"] = float(compute.min()), float(compute.max())
     record["slowest_rank"], record["fastest_rank"] = int(busy.argmax()), int(busy.argmin())

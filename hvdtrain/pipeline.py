@@ -398,6 +398,12 @@ class Pipeline:
     schedule: object
     layout: Layout
     loss: TokenLoss
+    n_microbatches: int
+
+
+def ideal_bubble(stages: int, microbatches: int) -> float:
+    """The share of a GPipe/1F1B run each stage spends idle: (p-1)/(m+p-1)."""
+    return (stages - 1) / (microbatches + stages - 1)
 
 
 def build_schedule(stage: StageModule, layout: Layout, groups: Groups, name: str, n_microbatches: int,
@@ -413,7 +419,7 @@ def build_schedule(stage: StageModule, layout: Layout, groups: Groups, name: str
               for s, chunk in zip(layout.stage_ids, stage.chunks)]
     stage_arg = stages if name.lower() in INTERLEAVED else stages[0]  # multi- or single-stage class
     schedule = get_schedule_class(name)(stage_arg, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)
-    return Pipeline(schedule, layout, loss)
+    return Pipeline(schedule, layout, loss, n_microbatches)
 
 
 def run(pipe: Pipeline, input_ids: torch.Tensor, labels: torch.Tensor, train: bool = True) -> torch.Tensor:

@@ -7,7 +7,14 @@ optimizer step
     fetch grad_accum micro batches -> forward/backward each (allreduce starts in backward)
     -> wait for the allreduce -> normalise by the step's target tokens -> clip -> optimizer step
 with logging, evaluation and checkpoints at their intervals.
+
+With parallel.pipeline_stages = p > 1 each worker holds one stage of the model
+(hvdtrain.pipeline): the micro batches go through torch's pipeline schedule instead of a plain
+forward/backward, Horovod reduces gradients among the copies of the stage only, the tied
+embedding is summed between first and last stage and the gradient norm is taken over all
+stages. Everything else is the same code.
 """
+import contextlib
 import gc
 import hashlib
 import math
@@ -17,11 +24,11 @@ from pathlib import Path
 import torch
 import yaml
 
-from hvdtrain import distributed, metrics
+from hvdtrain import checkpoint, distributed, metrics, pipeline
 from hvdtrain.config import Config, last_step_of_run, resolve_batch
 from hvdtrain.data import DataBundle, build_data
 from hvdtrain.errors import UserError
-from hvdtrain.export import save_hf
+from hvdtrain.export import load_checkpoint_model, save_hf
 from hvdtrain.lr_schedule import lr_multiplier
 from hvdtrain.models import IGNORE_INDEX, build_model, logits_and_labels, prepare
 from hvdtrain.optimizers import build_optimizer
@@ -35,28 +42,46 @@ from hvdtrain.training_state import TrainingState, find_resume_checkpoint
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, autocast) -> dict:
+def evaluate(model, loader, device, autocast, pipe=None) -> dict:
     """Loss (and masked-token accuracy for BERT) on each rank's fixed validation slice,
-    summed over all ranks before dividing, so it is the loss of the whole evaluated set."""
+    summed over all ranks before dividing, so it is the loss of the whole evaluated set.
+    Through a pipeline (`pipe`) the last stage computes the loss (no accuracy there)."""
     model.eval()
     loss = correct = targets = 0.0
-    for batch in loader:
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if torch.is_tensor(v)}
-        with autocast:
-            logits, labels = logits_and_labels(model, batch)
-        picked = labels != IGNORE_INDEX
-        loss += torch.nn.functional.cross_entropy(logits[picked].float(), labels[picked], reduction="sum").item()
-        correct += (logits[picked].argmax(-1) == labels[picked]).sum().item()
-        targets += picked.sum().item()
+    if pipe is None:
+        for batch in loader:
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if torch.is_tensor(v)}
+            with autocast:
+                logits, labels = logits_and_labels(model, batch)
+            picked = labels != IGNORE_INDEX
+            loss += torch.nn.functional.cross_entropy(logits[picked].float(), labels[picked], reduction="sum").item()
+            correct += (logits[picked].argmax(-1) == labels[picked]).sum().item()
+            targets += picked.sum().item()
+    else:
+        batches = [{k: v.to(device) for k, v in b.items() if torch.is_tensor(v)} for b in loader]
+        for i in range(0, len(batches), pipe.n_microbatches):
+            group = batches[i:i + pipe.n_microbatches]
+            # The schedule runs a fixed number of micro batches: fill the last group with ones
+            # that predict nothing.
+            group += [{"input_ids": group[0]["input_ids"], "labels": torch.full_like(group[0]["labels"], IGNORE_INDEX)}
+                      ] * (pipe.n_microbatches - len(group))
+            labels = torch.cat([b["labels"] for b in group])
+            with autocast:
+                loss += pipeline.run(pipe, torch.cat([b["input_ids"] for b in group]), labels, train=False).item()
+            if pipe.layout.is_last:
+                targets += (labels != IGNORE_INDEX).sum().item()
     model.train()
     loss, correct, targets = distributed.allreduce_sum([loss, correct, targets], name="eval")
     mean = loss / max(targets, 1)
-    return {"eval_loss": mean, "eval_ppl": math.exp(mean) if mean < 50 else float("inf"),
-            "eval_accuracy": correct / max(targets, 1)}
+    result = {"eval_loss": mean, "eval_ppl": math.exp(mean) if mean < 50 else float("inf")}
+    if pipe is None:
+        result["eval_accuracy"] = correct / max(targets, 1)
+    return result
 
 
-def check_data(cfg: Config, world, global_batch: int, grad_accum: int) -> DataBundle:
-    """Tokenized and cached once per host, then loaded by every rank; checked on all of them."""
+def check_data(cfg: Config, world, shards: int, global_batch: int, grad_accum: int) -> DataBundle:
+    """Tokenized and cached once per host, then loaded by every rank; checked on all of them.
+    `shards`: the workers that read different samples (the data-parallel copies)."""
     with distributed.leader_first(world, "data"):
         data = build_data(cfg, cfg.train.seed)
     # Hosts without a shared cache prepare their data separately: make sure they agree.
@@ -67,23 +92,25 @@ def check_data(cfg: Config, world, global_batch: int, grad_accum: int) -> DataBu
                         "at a shared folder or give data.tokenizer a pretrained tokenizer")
     if global_batch > len(data.train):
         raise UserError(f"the global batch ({global_batch} = train.micro_batch_size {cfg.train.micro_batch_size} x "
-                        f"grad_accum {grad_accum} x {world.size} workers) is larger than the training set "
+                        f"grad_accum {grad_accum} x {shards} data-parallel workers) is larger than the training set "
                         f"({len(data.train)} blocks of data.seq_len={cfg.data.seq_len} tokens)")
     return data
 
 
-def build_loaders(cfg: Config, data: DataBundle, world, grad_accum: int, state: TrainingState):
+def build_loaders(cfg: Config, data: DataBundle, world, shard: int, shards: int, grad_accum: int,
+                  state: TrainingState):
     """This rank's training batches from the state's stream position on, and its fixed
-    validation batches. The loaders get generators of their own: starting an iterator must not
-    draw from the global RNG, whose state a resume restores for dropout."""
+    validation batches: shard `shard` of `shards` (with pipeline stages every stage of a
+    pipeline reads the same samples). The loaders get generators of their own: starting an
+    iterator must not draw from the global RNG, whose state a resume restores for dropout."""
     t = cfg.train
-    global_batch = t.micro_batch_size * grad_accum * world.size
+    global_batch = t.micro_batch_size * grad_accum * shards
     if state.position % global_batch:
         raise UserError(f"the checkpoint stopped after {state.position} samples, which is not a multiple of the "
                         f"global batch {global_batch}; resume with the global batch it was written with")
     # The sampler counts steps of this global batch from the stream's start; a resume with another
     # global batch starts at a different step number there than in training.
-    sampler = StreamSampler(len(data.train), t.micro_batch_size, grad_accum, world.rank, world.size, t.seed,
+    sampler = StreamSampler(len(data.train), t.micro_batch_size, grad_accum, shard, shards, t.seed,
                             start_position=state.position,
                             max_steps=state.position // global_batch + t.max_steps - state.step)
     loader = torch.utils.data.DataLoader(
@@ -91,8 +118,7 @@ def build_loaders(cfg: Config, data: DataBundle, world, grad_accum: int, state: 
         pin_memory=world.device.type == "cuda", prefetch_factor=4 if cfg.data.num_workers else None,
         persistent_workers=False, generator=torch.Generator().manual_seed(t.seed))
     eval_loader = torch.utils.data.DataLoader(
-        data.val, batch_sampler=EvalSampler(len(data.val), t.micro_batch_size, cfg.eval.batches, world.rank,
-                                            world.size),
+        data.val, batch_sampler=EvalSampler(len(data.val), t.micro_batch_size, cfg.eval.batches, shard, shards),
         collate_fn=data.collate, generator=torch.Generator().manual_seed(t.seed))
     return loader, eval_loader
 
@@ -108,7 +134,10 @@ def open_run_folder(cfg: Config, world, data: DataBundle, model, state: Training
     if data.tokenizer is not None:
         data.tokenizer.save_pretrained(out / "tokenizer")
     n_params = sum(p.numel() for p in model.parameters())
-    world.print(f"hvdtrain: {cfg.model.arch} {n_params / 1e6:.2f}M parameters | {world.size} workers x "
+    stages = cfg.parallel.pipeline_stages
+    world.print(f"hvdtrain: {cfg.model.arch} {n_params / 1e6:.2f}M parameters"
+                + (f" on stage 0 of {stages} ({resolved['pipeline']})" if stages > 1 else "")
+                + f" | {world.size // stages} data-parallel workers x "
                 f"micro batch {cfg.train.micro_batch_size} x accum {resolved['grad_accum']} = global batch "
                 f"{resolved['global_batch']} x {cfg.data.seq_len} tokens | peak lr {resolved['peak_lr']:.3g}"
                 + (f" | resuming at step {state.step} from {resumed_from}" if resumed_from else ""))
@@ -121,42 +150,68 @@ def train(cfg: Config) -> torch.nn.Module:
     check_writable_folder(cfg.out_dir, "out_dir")
     world = distributed.init(cfg)
     device = world.device
+    t, par = cfg.train, cfg.parallel
     grad_accum, global_batch = resolve_batch(cfg, world.size)
-    t = cfg.train
+    # Pipeline stages: this worker's place in the stages x copies grid; the copies shard the data.
+    layout = (pipeline.layout_for(world.rank, world.size, par.pipeline_stages, par.stages_per_rank)
+              if par.pipeline_stages > 1 else None)
+    shard, shards = (layout.dp_rank, layout.dp) if layout else (world.rank, world.size)
 
     # ---- set-up 2. data, checked on every rank
-    data = check_data(cfg, world, global_batch, grad_accum)
+    data = check_data(cfg, world, shards, global_batch, grad_accum)
 
     # ---- set-up 3. the checkpoint to resume from (rank 0 decides, every rank is told)
     resume_from = find_resume_checkpoint(cfg, world)
 
     # ---- set-up 4. model, optimizer and their state: the same seed on every rank, rank 0's values win
     torch.manual_seed(t.seed)
-    model = build_model(cfg.model, data.vocab, cfg.data.seq_len).to(device)
+    model = build_model(cfg.model, data.vocab, cfg.data.seq_len)
+    prepare(model, cfg.model)  # activation checkpointing, compiled blocks
+    aliases = checkpoint.tie_aliases(model)  # of the whole model, before a split
+    groups = pipe = None
+    if layout is not None:  # keep this worker's stage only, under the whole model's names
+        groups = pipeline.open_groups(layout, "nccl" if device.type == "cuda" else "gloo")
+        bounds = pipeline.stage_bounds(model.config.num_hidden_layers, layout.stages, layout.stages_per_rank,
+                                       par.layer_boundaries)
+        model = pipeline.split_model(model, layout, bounds)
+    model.to(device)
     model.train()
-    peak_lr = t.lr * distributed.lr_scale(t.lr_scaling, world.size)
-    optimizer = distributed.wrap_optimizer(build_optimizer(model, t, peak_lr, device), model, cfg.horovod, grad_accum)
+    peak_lr = t.lr * distributed.lr_scale(t.lr_scaling, shards)
+    optimizer = build_optimizer(model, t, peak_lr, device)
+    # The copies of a stage reduce gradients during backward (Horovod's hooks), or after the
+    # pipeline's step where NCCL would otherwise run two communicators at once.
+    reduce_after = layout is not None and (par.reduce_gradients or ("after" if device.type == "cuda" else "during")) == "after"
+    if not reduce_after:
+        optimizer = distributed.wrap_optimizer(optimizer, model, cfg.horovod, grad_accum,
+                                               groups.process_set if groups else None)
     scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
-    state = TrainingState(model, optimizer, scaler, world, cfg)
+    state = TrainingState(model, optimizer, scaler, world, cfg, layout, aliases)
     state.restore(resume_from)
-    prepare(model, cfg.model)
+    if layout is not None:
+        pipe = pipeline.build_schedule(model, layout, groups, par.schedule, par.microbatches or grad_accum,
+                                       1.0, device)
 
     # ---- set-up 5. loaders from the state's stream position
-    loader, eval_loader = build_loaders(cfg, data, world, grad_accum, state)
+    loader, eval_loader = build_loaders(cfg, data, world, shard, shards, grad_accum, state)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16 if t.precision == "bf16" else torch.float16,
                               enabled=t.precision != "fp32")
 
     # ---- set-up 6. the run folder and what records the run
-    log = open_run_folder(cfg, world, data, model, state, resume_from, {
-        "world_size": world.size, "grad_accum": grad_accum, "global_batch": global_batch, "peak_lr": peak_lr})
+    resolved = {"world_size": world.size, "grad_accum": grad_accum, "global_batch": global_batch, "peak_lr": peak_lr}
+    if pipe is not None:
+        m = pipe.n_microbatches
+        resolved["pipeline"] = (f"{par.schedule}, {m} micro batches per run, ideal bubble "
+                                f"{pipeline.ideal_bubble(layout.stages, m):.0%}, gradients reduced "
+                                f"{'after' if reduce_after else 'during'} the pipeline's backward")
+    log = open_run_folder(cfg, world, data, model, state, resume_from, resolved)
     timeline = distributed.timeline_path(cfg)
     if timeline is not None:
         distributed.start_timeline(timeline)
     timer = StepTimer(device, cfg.log.step_breakdown)
     throughput = metrics.Throughput(cfg, model.config, world, global_batch)
     profiler = Profiler(cfg.profile, cfg.out_dir, world, timer, whole_run_timeline=timeline is not None)
-    normalizer = distributed.TokenNormalizer(cfg.horovod.op, world.size,
-                                             t.micro_batch_size * grad_accum * cfg.data.seq_len)
+    normalizer = distributed.TokenNormalizer(cfg.horovod.op, shards, t.micro_batch_size * grad_accum * cfg.data.seq_len,
+                                             stages=layout.stages if layout else 1)
     guard = NonFiniteGuard(device, t.max_bad_steps)
     preemption = PreemptionSignal()
     batches = iter(loader)
@@ -170,7 +225,7 @@ def train(cfg: Config) -> torch.nn.Module:
     gc.disable()
     try:
         if state.step == 0:  # the baseline every later evaluation is compared with
-            result = evaluate(model, eval_loader, device, autocast)
+            result = evaluate(model, eval_loader, device, autocast, pipe)
             if log is not None:
                 log.eval_record({"step": 0, **result})
             timer.reset()
@@ -192,31 +247,49 @@ def train(cfg: Config) -> torch.nn.Module:
 
             # 2. forward/backward per micro batch; Horovod's hooks start the allreduce during the last backward
             loss_sum = torch.zeros((), device=device)
-            for mb in micro_batches:
-                with timer.phase("forward"), autocast:
-                    logits, labels = logits_and_labels(model, mb)
-                    loss = torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX,
-                                                             reduction="sum")
-                with timer.phase("backward"):
-                    scaler.scale(loss * normalizer.loss_scale).backward()
-                loss_sum += loss.detach()
+            if pipe is None:
+                for mb in micro_batches:
+                    with timer.phase("forward"), autocast:
+                        logits, labels = logits_and_labels(model, mb)
+                        loss = torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX,
+                                                                 reduction="sum")
+                    with timer.phase("backward"):
+                        scaler.scale(loss * normalizer.loss_scale).backward()
+                    loss_sum += loss.detach()
+            else:  # the schedule's runs of m micro batches: forward and backward of every stage interleaved
+                pipe.loss.scale = normalizer.loss_scale * (scaler.get_scale() if scaler.is_enabled() else 1.0)
+                m = pipe.n_microbatches
+                for i in range(0, grad_accum, m):
+                    run = micro_batches[i:i + m]
+                    with timer.phase("pipeline"), autocast:
+                        loss_sum += pipeline.run(pipe, torch.cat([mb["input_ids"] for mb in run]),
+                                                 torch.cat([mb["labels"] for mb in run]))
 
             # 3. wait for the gradient allreduce, normalise by the step's tokens, clip, step
             #    (a step with inf/NaN gradients is skipped: by the fp16 scaler, or else by the guard)
+            #    (with pipeline stages: the tied embedding summed between the ends, one norm over all stages)
             with timer.phase("allreduce"):
-                optimizer.synchronize()
+                if reduce_after:
+                    pipeline.allreduce_grads_after(model.parameters(), groups, distributed.reduce_op(cfg.horovod))
+                else:
+                    optimizer.synchronize()
+                if layout is not None:
+                    pipeline.allreduce_tied_grads(model, groups)
                 global_targets, stop = normalizer.finish(model)
             with timer.phase("optimizer"):
                 scaler.unscale_(optimizer)
-                grads = [p.grad for p in model.parameters() if p.grad is not None]
-                grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip) if t.grad_clip > 0
-                             else torch.nn.utils.get_total_norm(grads))
-                with optimizer.skip_synchronize():
-                    if scaler.is_enabled():
-                        scaler.step(optimizer)
-                    else:
+                max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+                grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) if layout is None
+                             else pipeline.clip_grad_norm_(model, max_norm, groups))
+                with optimizer.skip_synchronize() if not reduce_after else contextlib.nullcontext():
+                    if not scaler.is_enabled():
                         guard.step(optimizer, grad_norm)
-                scaler.update()
+                    elif layout is not None and pipeline.any_nonfinite(model, groups):
+                        # fp16: a stage that found no inf must skip too; every stage backs off alike
+                        scaler.update(new_scale=scaler.get_scale() * scaler.get_backoff_factor())
+                    else:
+                        scaler.step(optimizer)
+                        scaler.update()
                 distributed.zero_grad(optimizer)
             state.step += 1
             state.position += global_batch
@@ -243,7 +316,7 @@ def train(cfg: Config) -> torch.nn.Module:
                 gc.collect(1)  # young garbage only, here rather than at a random point inside a step
                 timer.reset()
             if (cfg.eval.every and done % cfg.eval.every == 0) or done == last_step:
-                result = evaluate(model, eval_loader, device, autocast)
+                result = evaluate(model, eval_loader, device, autocast, pipe)
                 if log is not None:
                     log.eval_record({"step": done, **result})
                 timer.reset()  # evaluation time is not training step time
@@ -256,6 +329,8 @@ def train(cfg: Config) -> torch.nn.Module:
                 raise RunStopped(f"preempted at step {done}", PREEMPTED_EXIT_CODE)
     finally:  # also when a step fails: files closed, traces and timeline flushed, the collector back on
         gc.enable()
+        if groups is not None:
+            groups.close()
         preemption.close()
         profiler.close()
         if timeline is not None:
@@ -264,7 +339,8 @@ def train(cfg: Config) -> torch.nn.Module:
         if log is not None:
             log.close()
 
-    if world.is_main:
-        save_hf(model, Path(cfg.out_dir) / "tokenizer", Path(cfg.out_dir) / "hf")
+    if world.is_main:  # the whole model: with pipeline stages, rebuilt from the final checkpoint's parts
+        whole = model if layout is None else load_checkpoint_model(checkpoint.list_checkpoints(cfg.out_dir)[-1])
+        save_hf(whole, Path(cfg.out_dir) / "tokenizer", Path(cfg.out_dir) / "hf")
         world.print(f"hvdtrain: model saved as a Hugging Face folder in {Path(cfg.out_dir) / 'hf'}")
     return model

@@ -63,21 +63,31 @@ def find_resume_checkpoint(cfg: Config, world) -> Path | None:
 
 
 class TrainingState:
-    def __init__(self, model, optimizer, scaler, world, cfg: Config):
+    """With pipeline stages (`layout` given) `model` is this worker's stage, under the whole
+    model's parameter names: each stage reads and writes its own part of a checkpoint, so no
+    weight passes through rank 0, and a checkpoint of any layout loads into any other.
+    `aliases`: the whole model's tied parameter names (checkpoint.tie_aliases)."""
+
+    def __init__(self, model, optimizer, scaler, world, cfg: Config, layout=None, aliases=None):
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
-        self.world, self.cfg = world, cfg
+        self.world, self.cfg, self.layout = world, cfg, layout
+        self.aliases = aliases if aliases is not None else checkpoint.tie_aliases(model)
         self.step = 0
         self.position = 0
 
     def restore(self, path: Path | None):
-        """Start from `path` (a checkpoint, read on rank 0) or afresh; collective."""
+        """Start from `path` (a checkpoint) or afresh; collective. Without pipeline stages rank 0
+        reads the checkpoint and broadcasts; with them every worker reads its stage's part (the
+        copies of a stage start equal anyway: the same seed, the same files)."""
         saved = None
+        if path is not None and (self.world.is_main or self.layout is not None):
+            checkpoint.load_weights(self.model, path, self.aliases)
+            checkpoint.load_optimizer(self.optimizer, self.model, path, self.aliases)
         if path is not None and self.world.is_main:
-            checkpoint.load_weights(self.model, path)
-            checkpoint.load_optimizer(self.optimizer, self.model, path)
             saved = checkpoint.read_state(path)
             saved["rngs"] = checkpoint.read_rngs(path, saved["world_size"])
-        distributed.broadcast_state(self.model, self.optimizer, resumed=path is not None)
+        if self.layout is None:
+            distributed.broadcast_state(self.model, self.optimizer, resumed=path is not None)
         saved = distributed.broadcast_object(saved, name="training_state")
         seed, rank = self.cfg.train.seed, self.world.rank
         if saved is None:
@@ -92,11 +102,21 @@ class TrainingState:
             rng.reseed_for_training(seed, rank, self.step)
 
     def save(self):
-        """Write a checkpoint of the current step; collective (every rank gives its RNG state)."""
+        """Write a checkpoint of the current step; collective (every rank gives its RNG state,
+        each writer its part, rank 0 the rest once all parts are on disk)."""
         rngs = distributed.allgather_object(rng.capture(), name="rng")
+        tmp = checkpoint.begin_checkpoint(self.cfg.out_dir, self.step) if self.world.is_main else None
+        tmp = distributed.broadcast_object(tmp, name="checkpoint_folder")
+        if self.layout is None:
+            index, count, writer = 0, 1, self.world.is_main
+        else:  # the first copy of each stage
+            index, count, writer = self.layout.stage, self.layout.stages, self.layout.dp_rank == 0
+        if writer:
+            checkpoint.write_part(tmp, index, count, self.model, self.optimizer)
+        distributed.allreduce_sum([0.0], name="checkpoint_parts")  # every part is on disk
         if self.world.is_main:
-            checkpoint.save_checkpoint(
-                self.cfg.out_dir, self.step, self.model, self.optimizer,
+            checkpoint.finish_checkpoint(
+                tmp, self.step, self.model.config,
                 {"step": self.step, "position": self.position, "world_size": self.world.size,
                  "scaler": self.scaler.state_dict(), "config": self.cfg.to_dict()},
                 rngs, keep=self.cfg.checkpoint.keep)

@@ -22,7 +22,8 @@ def test_profiled_run_with_a_slow_rank(tmp_path, tiny_config):
     for rank in (0, 1):
         trace = json.loads((tmp_path / "profile" / f"trace_rank{rank}.json").read_text())
         names = {e.get("name") for e in trace["traceEvents"]}
-        assert set(PHASES) <= names, set(PHASES) - names
+        step_phases = set(PHASES) - {"pipeline"}  # the phases of a step without pipeline stages
+        assert step_phases <= names, step_phases - names
         table = (tmp_path / "profile" / f"ops_rank{rank}.txt").read_text()
         assert "Self CPU" in table and "aten::" in table
     timeline = (tmp_path / "profile" / "horovod_timeline.json").read_text()

@@ -1,0 +1,113 @@
+"""Pipeline stages x Horovod data parallelism through the real training loop (`hvdtrain
+train` under horovodrun, Gloo, fp32, no dropout): the same maths as the unsplit model, tied
+copies equal, checkpoints that any layout resumes, and one line for each impossible layout."""
+import pytest
+import torch
+
+from helpers import (assert_same_losses, hvdtrain, load_params, read_metrics, step_losses, train_workers)
+from hvdtrain import checkpoint
+
+pytestmark = pytest.mark.workers
+
+# 4 layers, so 2 stages hold 2 each with embedding and head counted as a layer: [0, 2, 4].
+# A global batch of 8 = micro batch 2 x 4 micro batches (the schedule's m) x copies.
+PIPE = {"model": {"n_layer": 4}, "train": {"micro_batch_size": 2, "global_batch_size": 8, "lr": 1e-3,
+                                           "max_steps": 4, "grad_clip": 0.5}}
+TIED = {"gpt2": ("transformer.wte.weight", "lm_head.weight"),
+        "bert": ("bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight")}
+
+
+def whole_model(out_dir, ranks) -> dict:
+    """The union of the stages' parameters (each rank dumped its stage's, by the model's names)."""
+    params = {}
+    for rank in ranks:
+        params.update(load_params(out_dir, rank))
+    return params
+
+
+def assert_close_params(reference: dict, params: dict, atol=1e-5):
+    assert set(reference) <= set(params), set(reference) - set(params)
+    for name, value in reference.items():
+        assert torch.allclose(value, params[name], rtol=0, atol=atol), (name, (value - params[name]).abs().max())
+
+
+@pytest.fixture(scope="module")
+def one_worker(tmp_path_factory):
+    """The unsplit reference runs, one per architecture."""
+    from helpers import write_config
+    runs = {}
+    for arch in ("gpt2", "bert"):
+        folder = tmp_path_factory.mktemp(f"one-{arch}")
+        config = write_config(folder / "config.yaml", {**PIPE, "model": {"arch": arch, "n_layer": 4}})
+        train_workers(1, config, f"out_dir={folder / 'run'}")
+        runs[arch] = (config, folder / "run")
+    return runs
+
+
+@pytest.mark.parametrize("arch,schedule", [("gpt2", "gpipe"), ("gpt2", "1f1b"), ("bert", "1f1b"), ("bert", "gpipe")])
+def test_two_stages_equal_one_worker(tmp_path, one_worker, arch, schedule):
+    config, reference = one_worker[arch]
+    out = tmp_path / "pp2"
+    train_workers(2, config, f"out_dir={out}", "parallel.pipeline_stages=2", f"parallel.schedule={schedule}")
+    assert_same_losses(step_losses(reference), step_losses(out), min_steps=4)
+    # The clipped norm is the whole model's (a tied weight counted once).
+    for a, b in zip(read_metrics(reference)[0], read_metrics(out)[0]):
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    stages = whole_model(out, [0, 1])
+    assert_close_params(load_params(reference, 0), stages)
+    embedding, head = TIED[arch]
+    assert torch.equal(load_params(out, 0)[embedding], load_params(out, 1)[head])  # tied copies bitwise equal
+
+
+def test_two_stages_times_two_copies_equal_two_copies(tmp_path, tiny_config):
+    config = tiny_config(PIPE)
+    dp2, grid = tmp_path / "dp2", tmp_path / "pp2dp2"
+    train_workers(2, config, f"out_dir={dp2}")
+    train_workers(4, config, f"out_dir={grid}", "parallel.pipeline_stages=2", "parallel.reduce_gradients=after",
+                  timeout=400)
+    assert_same_losses(step_losses(dp2), step_losses(grid), min_steps=4)
+    # rank = stage x 2 + copy: ranks 0, 1 hold stage 0, ranks 2, 3 stage 1; copies are identical.
+    for a, b in ((0, 1), (2, 3)):
+        pa, pb = load_params(grid, a), load_params(grid, b)
+        assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+    assert_close_params(load_params(dp2, 0), whole_model(grid, [0, 2]))
+
+
+def test_resume_with_another_layout_equals_a_straight_run(tmp_path, tiny_config):
+    """Stop at step 4 with 2 stages, go on to 6 with one worker, then to 8 with 2 stages again."""
+    config = tiny_config({**PIPE, "train": {**PIPE["train"], "max_steps": 8}, "checkpoint": {"every": 2}})
+    straight, moved = tmp_path / "straight", tmp_path / "moved"
+    train_workers(1, config, f"out_dir={straight}")
+    train_workers(2, config, f"out_dir={moved}", "parallel.pipeline_stages=2", "train.stop_at_step=4")
+    assert {p.name for p in checkpoint.newest_intact_checkpoint(moved).iterdir()} >= {
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}
+    train_workers(1, config, f"out_dir={moved}", "train.stop_at_step=6")
+    train_workers(2, config, f"out_dir={moved}", "parallel.pipeline_stages=2")
+    assert_same_losses(step_losses(straight), step_losses(moved), min_steps=8)
+    assert_close_params(load_params(straight, 0), whole_model(moved, [0, 1]))
+    # The run's Hugging Face folder is the whole model, rebuilt from the stages' parts.
+    from transformers import AutoModelForCausalLM
+    exported = AutoModelForCausalLM.from_pretrained(moved / "hf").state_dict()
+    assert_close_params({k: v for k, v in load_params(straight, 0).items() if k in exported}, exported)
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["parallel.pipeline_stages=3"], ["'parallel.pipeline_stages'", "does not divide the 2 workers"]),
+    (["parallel.pipeline_stages=2", "train.global_batch_size=4", "train.micro_batch_size=4"],
+     ["parallel.microbatches=1", "at least parallel.pipeline_stages=2"]),
+    (["parallel.pipeline_stages=2", "parallel.microbatches=3"], ["'parallel.microbatches'", "does not divide"]),
+    (["parallel.pipeline_stages=2", "parallel.schedule=zigzag"], ["'parallel.schedule'", "'1f1b'"]),
+    (["parallel.pipeline_stages=2", "parallel.layer_boundaries=[0,1,2]"], ["parallel.layer_boundaries"]),
+])
+def test_impossible_layouts_are_one_line(tmp_path, tiny_config, overrides, words):
+    out = tmp_path / "run"
+    proc = hvdtrain("launch", "-np", "2", tiny_config(PIPE), f"out_dir={out}", *overrides)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and all(w in lines[0] for w in words), proc.stderr
+    assert not out.exists()
+
+
+def test_more_stages_than_layers_is_refused_before_any_worker_starts(tmp_path, tiny_config):
+    proc = hvdtrain("train", tiny_config(), f"out_dir={tmp_path / 'run'}", "parallel.pipeline_stages=4")
+    assert proc.returncode == 2 and "'parallel.pipeline_stages'" in proc.stderr and "model.n_layer=2" in proc.stderr
