@@ -62,9 +62,10 @@ class Throughput:
         return out
 
 
-def summarize_ranks(per_rank, threshold: float) -> dict:
+def summarize_ranks(per_rank, threshold: float, copies_per_stage: int | None = None) -> dict:
     """Breakdown and load imbalance from an array (world_size, len(PHASES) + 1) of per-step
-    means: the phases, then the whole step.
+    means: the phases, then the whole step. With pipeline stages, `copies_per_stage` names the
+    slowest rank's stage too.
 
     A rank's busy time is data + forward + backward (+ pipeline): what it spends before it can join the
     allreduce. The other ranks wait for the slowest one inside the allreduce, so a straggler
@@ -79,6 +80,8 @@ def summarize_ranks(per_rank, threshold: float) -> dict:
     record["slowest_rank"], record["fastest_rank"] = int(busy.argmax()), int(busy.argmin())
     record["imbalance"] = float((busy.max() - busy.min()) / busy.min()) if busy.min() > 0 else 0.0
     record["imbalance_warning"] = record["imbalance"] > threshold and len(busy) > 1
+    if copies_per_stage is not None:  # pipeline stages: rank = stage x copies + copy
+        record["slowest_stage"] = record["slowest_rank"] // copies_per_stage
     record["ranks"] = {p: [float(v) for v in per_rank[:, i]] for i, p in enumerate(PHASES)}
     record["ranks"]["step"] = [float(v) for v in per_rank[:, -1]]
     return record

@@ -41,7 +41,8 @@ class RunLog:
         # (a shared machine, a GC pause) is not a straggler.
         slow = record["slowest_rank"] if record.get("imbalance_warning") else None
         if slow is not None and slow == self.straggler:
-            self.message(f"warning: rank {record['slowest_rank']} is slow: its data+compute time is "
+            stage = f" (pipeline stage {record['slowest_stage']})" if "slowest_stage" in record else ""
+            self.message(f"warning: rank {record['slowest_rank']}{stage} is slow: its data+compute time is "
                          f"{record['imbalance']:.0%} above the fastest rank's (rank {record['fastest_rank']})")
         self.straggler = slow
 

@@ -307,7 +307,8 @@ def train(cfg: Config) -> torch.nn.Module:
                 per_rank = distributed.allgather_floats(means + [step_time], name="timings")
                 skipped = guard.interval(done)  # every rank: a diverged run stops everywhere at once
                 if log is not None:
-                    breakdown = (metrics.summarize_ranks(per_rank, cfg.log.imbalance_threshold)
+                    breakdown = (metrics.summarize_ranks(per_rank, cfg.log.imbalance_threshold,
+                                                           layout.dp if layout else None)
                                  if cfg.log.step_breakdown else None)
                     measured = {**throughput.record(step_time), **skipped, "grad_norm": float(grad_norm)}
                     log.train_record(metrics.train_record(done, per_step, lr, world.size, global_batch, grad_accum,
