@@ -1,5 +1,6 @@
 """hvdtrain.data.tokenizer: trained tokenizers survive save/reload, carry their special
-tokens, and are trained once per corpus then loaded from the cache."""
+tokens, learn from a bounded sample of the corpus, and are trained once per corpus then
+loaded from the cache."""
 import logging
 
 import datasets
@@ -9,9 +10,9 @@ from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, pipeline
 
 from hvdtrain.config import DataConfig
 from hvdtrain.data import tokenizer as tokenizer_module
-from hvdtrain.data.text import builtin_corpus
-from hvdtrain.data.tokenizer import (atomic_path, load_or_train_tokenizer, tokenizer_fingerprint,
-                                     train_tokenizer)
+from hvdtrain.data.cache import atomic_path
+from hvdtrain.data.text import builtin_corpus, open_corpus
+from hvdtrain.data.tokenizer import load_or_train_tokenizer, tokenizer_fingerprint, train_tokenizer
 from hvdtrain.errors import UserError
 
 SAMPLES = ["Hello World, the quick brown fox jumps over the lazy dog.",
@@ -21,7 +22,12 @@ SAMPLES = ["Hello World, the quick brown fox jumps over the lazy dog.",
 
 @pytest.fixture(scope="module")
 def corpus():
-    return builtin_corpus()
+    """The builtin corpus as one batch of documents."""
+    return [list(builtin_corpus()["text"])]
+
+
+def builtin(tmp_path, **options):
+    return open_corpus(DataConfig(**options), tmp_path)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "bert"])
@@ -63,9 +69,25 @@ def test_bert_tokenizer_serves_a_fill_mask_pipeline(tmp_path, corpus):
     assert all(g["sequence"].startswith("the value of") for g in guesses)
 
 
-def test_trained_once_then_loaded_from_the_cache(tmp_path, corpus, monkeypatch, caplog):
+def test_trained_on_a_bounded_sample_of_training_documents(tmp_path, monkeypatch):
+    seen = []
+
+    def spy(batches, arch, vocab_size):
+        seen.extend(d for batch in batches for d in batch)
+        return real_train([seen], arch, vocab_size)
+    real_train = tokenizer_module.train_tokenizer
+    monkeypatch.setattr(tokenizer_module, "train_tokenizer", spy)
+    corpus = builtin(tmp_path)
+    load_or_train_tokenizer(DataConfig(tokenizer_sample_mb=0.1), "gpt2", corpus, tmp_path)
+    training = [d for batch in corpus.training_batches() for d in batch]
+    assert seen == training[:len(seen)], "the first training documents, in order, no held-out ones"
+    chars = sum(map(len, seen))
+    assert 100_000 <= chars < 100_000 + len(seen[-1]), "whole documents until the budget is reached"
+
+
+def test_trained_once_then_loaded_from_the_cache(tmp_path, monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="hvdtrain.data.tokenizer")
-    cfg = DataConfig(vocab_size=800)
+    cfg, corpus = DataConfig(vocab_size=800), builtin(tmp_path)
     first = load_or_train_tokenizer(cfg, "gpt2", corpus, tmp_path)
     assert "training a gpt2 tokenizer" in caplog.text
 
@@ -80,22 +102,24 @@ def test_trained_once_then_loaded_from_the_cache(tmp_path, corpus, monkeypatch, 
 
     with pytest.raises(AssertionError, match="trained again"):  # another key: another vocab size
         load_or_train_tokenizer(DataConfig(vocab_size=900), "gpt2", corpus, tmp_path)
+    with pytest.raises(AssertionError, match="trained again"):  # another sample
+        load_or_train_tokenizer(DataConfig(vocab_size=800, tokenizer_sample_mb=0.2), "gpt2", corpus, tmp_path)
 
 
 def test_a_pretrained_tokenizer_is_loaded_from_a_folder(tmp_path, corpus):
     train_tokenizer(corpus, "bert", vocab_size=600).save_pretrained(tmp_path / "tok")
-    tok = load_or_train_tokenizer(DataConfig(tokenizer=str(tmp_path / "tok")), "bert", corpus, tmp_path)
+    tok = load_or_train_tokenizer(DataConfig(tokenizer=str(tmp_path / "tok")), "bert", builtin(tmp_path), tmp_path)
     assert tok.mask_token == "[MASK]"
     assert not (tmp_path / "tokenizers").exists()
 
 
 @pytest.mark.parametrize("name", ["some-org/some-tokenizer", "/no/such/tokenizer/folder"])
-def test_an_unloadable_tokenizer_is_a_one_line_user_error(tmp_path, corpus, monkeypatch, name):
+def test_an_unloadable_tokenizer_is_a_one_line_user_error(tmp_path, monkeypatch, name):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     with pytest.raises(UserError) as error:
-        load_or_train_tokenizer(DataConfig(tokenizer=name), "gpt2", corpus, tmp_path)
+        load_or_train_tokenizer(DataConfig(tokenizer=name), "gpt2", builtin(tmp_path), tmp_path)
     assert f"config key 'data.tokenizer': could not load '{name}'" in str(error.value)
     assert "\n" not in str(error.value)
 

@@ -9,20 +9,16 @@ else is lost or repeated.
 - masked LM (BERT): documents joined by [SEP], cut into chunks of seq_len - 2, each
   wrapped as [CLS] chunk [SEP].
 
-`load_or_pack` caches the blocks as a .npy file and memory-maps it on later runs.
+The in-memory packing that hvdtrain.data.preparation replaces, kept for one commit so that
+the token files are checked against it (tests/test_data_prepare.py).
 """
 import logging
-import time
-from pathlib import Path
 
 import datasets
 import numpy as np
 import pyarrow.compute as pc
 from transformers import PreTrainedTokenizerFast
 
-from hvdtrain.config import DataConfig
-from hvdtrain.data.text import texts_fingerprint
-from hvdtrain.data.tokenizer import atomic_path, cache_key, tokenizer_fingerprint
 from hvdtrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -43,33 +39,6 @@ def pack_masked_lm(texts: datasets.Dataset, tokenizer: PreTrainedTokenizerFast, 
     chunks = _blocks(_token_stream(texts, tokenizer, sep, num_proc), seq_len - 2)
     column = np.ones((len(chunks), 1), dtype=np.int32)
     return np.hstack([cls * column, chunks, sep * column])
-
-
-PACKERS = {"gpt2": pack_causal_lm, "bert": pack_masked_lm}
-
-
-def load_or_pack(cfg: DataConfig, arch: str, texts: datasets.Dataset, tokenizer: PreTrainedTokenizerFast,
-                 cache_root: Path, split_name: str) -> np.ndarray:
-    """The blocks for `texts`, read-only and memory-mapped from
-    `cache_root/tokenized/<key>/<split_name>.npy`. The key covers everything that decides
-    them (the texts, the tokenizer, seq_len, arch), so a cached file is reused only when it
-    would come out the same; otherwise it is packed and written first. A log line says
-    which happened and how long it took."""
-    key = cache_key(texts_fingerprint(texts), tokenizer_fingerprint(tokenizer), cfg.seq_len, arch)
-    path = cache_root / "tokenized" / key / f"{split_name}.npy"
-    start = time.perf_counter()
-    hit = path.exists()
-    if not hit:
-        blocks = PACKERS[arch](texts, tokenizer, cfg.seq_len, cfg.num_proc)
-        if len(blocks) == 0:
-            raise UserError(f"data.source '{cfg.source}': the {split_name} text is shorter than one block of "
-                            f"data.seq_len={cfg.seq_len} tokens; use more text or a smaller data.seq_len")
-        with atomic_path(path) as tmp, open(tmp, "wb") as f:
-            np.save(f, blocks)
-    blocks = np.load(path, mmap_mode="r")
-    log.info("%s: %d blocks of %d tokens, %s %s in %.3fs", split_name, len(blocks), cfg.seq_len,
-             "cache hit" if hit else "packed and cached to", path, time.perf_counter() - start)
-    return blocks
 
 
 def _special_id(tokenizer: PreTrainedTokenizerFast, name: str, purpose: str) -> int:

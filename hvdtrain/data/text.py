@@ -1,72 +1,133 @@
-"""Raw text for pretraining: a `datasets.Dataset` with a single column, `text`.
+"""Raw text for pretraining: the documents of a corpus, read in order as a stream.
 
 `data.source` says where the text comes from:
 
 - "builtin": Python's own documentation prose (`pydoc_data.topics`), so a run works
   with no download at all;
 - a local file, directory or glob of .txt / .jsonl / .json / .csv / .parquet files;
-- anything else is a Hugging Face hub dataset name.
+- anything else is a Hugging Face hub dataset name; with `data.streaming` it is read as a
+  stream to its end instead of being downloaded first.
 
-Every source ends up as one row per document with empty documents dropped, so the
-tokenizer and the packing code never need to know where the text came from.
+`open_corpus` gives a `Corpus`: the training documents and, when the source has a split of its
+own for it, the validation documents. Each is a `Documents`, which yields batches of non-empty
+document strings in the same order every time it is read, and never holds more than a batch:
+a corpus may be far larger than memory. Without a validation split, `held_out` picks a fixed
+fraction of the training documents for validation.
 """
 import glob
-import itertools
-import logging
+import hashlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
+import numpy as np
 
 from hvdtrain.config import DataConfig
+from hvdtrain.data.randomness import uniform
+from hvdtrain.data.cache import cache_key
 from hvdtrain.errors import UserError
-
-log = logging.getLogger(__name__)
 
 # File extension -> the `datasets` builder that reads it.
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-# A streamed hub dataset is materialised up to this many documents: enough for the
-# small runs this framework targets, without pulling a whole web crawl into memory.
-MAX_STREAMED_DOCUMENTS = 100_000
 GLOB_CHARACTERS = "*?["
+READ_BATCH = 1000  # documents per batch read from a source
+# Seeds the choice of held-out documents. A constant, not train.seed: the validation set stays
+# the same across training seeds, so their eval losses compare, and the token files do not
+# have to be prepared again for another seed.
+HOLDOUT_SEED = 0x5EED
 
 
-def load_text(cfg: DataConfig, cache_root: Path) -> tuple[datasets.Dataset, datasets.Dataset | None]:
-    """(train texts, validation texts). The second is None unless the source has a split of
-    its own named by `data.validation_split`; the caller then holds out a fraction with
-    `split_validation`. Local files are converted to Arrow under `cache_root/"datasets"`;
+@dataclass
+class Documents:
+    """The non-empty documents of one split of a source. `batches()` reads them from the start
+    each time it is called. `fingerprint` changes whenever the documents could have: it is the
+    key of every cache built from them. `size` is the text's size in bytes when known before
+    reading it (for the progress bar's ETA)."""
+    source: str  # data.source, for messages
+    fingerprint: str
+    rows: Callable[[], Iterable[dict]]  # batches of rows as {column: [values]}
+    column: str
+    size: int | None = None
+    max_documents: int | None = None
+
+    def batches(self) -> Iterator[list[str]]:
+        """Lists of documents in corpus order, empty and whitespace-only ones (and missing
+        values in csv/json) dropped, cut after `max_documents`."""
+        count = 0
+        for rows in self.rows():
+            if self.column not in rows:
+                raise UserError(f"config key 'data.text_column': data.source '{self.source}' has no column "
+                                f"'{self.column}' (columns: {', '.join(rows)})")
+            docs = [t for t in rows[self.column] if isinstance(t, str) and t.strip()]
+            if self.max_documents is not None:
+                docs = docs[:self.max_documents - count]
+            if docs:
+                yield docs
+                count += len(docs)
+            if count == self.max_documents:
+                return
+        if count == 0:
+            raise UserError(f"data.source '{self.source}': no text found (every document is empty)")
+
+
+@dataclass
+class Corpus:
+    """Training documents, and validation documents from the source's own split or else
+    `holdout`: the fraction of the training documents that `held_out` sets aside."""
+    train: Documents
+    validation: Documents | None
+    holdout: float | None
+
+    @property
+    def fingerprint(self) -> str:
+        """Changes whenever the training or the validation documents could have."""
+        return cache_key(self.train.fingerprint, self.validation.fingerprint if self.validation else self.holdout)
+
+    def labelled_batches(self) -> Iterator[tuple[list[str], np.ndarray]]:
+        """The training source's documents in batches, each with a mask: True for the documents
+        held out for validation (all False when the source has its own validation split)."""
+        first = 0
+        for docs in self.train.batches():
+            ordinals = np.arange(first, first + len(docs))
+            yield docs, (held_out(ordinals, self.holdout) if self.holdout else np.zeros(len(docs), bool))
+            first += len(docs)
+
+    def training_batches(self) -> Iterator[list[str]]:
+        """The training documents alone (held-out ones skipped), in corpus order."""
+        for docs, out in self.labelled_batches():
+            kept = [d for d, o in zip(docs, out) if not o]
+            if kept:
+                yield kept
+
+
+def held_out(ordinals: np.ndarray, fraction: float) -> np.ndarray:
+    """Whether the documents at these positions of the corpus (0 = first non-empty document)
+    are validation documents: a hash of the position below `fraction`. Each document is
+    decided on its own, so a stream can be split without knowing its length, and the same
+    corpus always gives the same split."""
+    return uniform(HOLDOUT_SEED, ordinals, 1, stream=0)[:, 0] < fraction
+
+
+def open_corpus(cfg: DataConfig, cache_root: Path) -> Corpus:
+    """The corpus `data.source` names, checked by reading its first batch (so a wrong column or
+    an empty corpus is reported before any work). Local files are read in place, no copy;
     hub datasets use the Hugging Face cache, so downloads made by other tools are reused."""
     if cfg.source == "synthetic":
-        raise ValueError("data.source 'synthetic' has no text: make random tokens instead of calling load_text")
+        raise ValueError("data.source 'synthetic' has no text: make random tokens instead of calling open_corpus")
     if cfg.source != "builtin" and not _is_local(cfg.source):
-        return _load_hub(cfg)
-    if cfg.validation_split is not None:
+        train = _hub_split(cfg, cfg.split)
+        validation = None if cfg.validation_split is None else _hub_split(cfg, cfg.validation_split)
+    elif cfg.validation_split is not None:
         raise UserError(f"config key 'data.validation_split': data.source '{cfg.source}' has no named splits; "
                         f"leave it null and use data.validation_fraction")
-    if cfg.source == "builtin":
-        texts = builtin_corpus()
     else:
-        texts = _text_column(_load_local(_local_files(cfg.source), cache_root / "datasets"), cfg.text_column,
-                             cfg.source)
-    return _clean(texts, cfg.source), None
-
-
-def split_validation(texts: datasets.Dataset, fraction: float, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """Hold out a random `fraction` of the documents (at least one) as validation data.
-    The same texts, fraction and seed always give the same split."""
-    if len(texts) < 2:
-        raise UserError(f"data.source has {len(texts)} document(s): too few to hold out data.validation_fraction "
-                        f"for validation")
-    split = texts.train_test_split(test_size=fraction, seed=seed)
-    return split["train"], split["test"]
-
-
-def texts_fingerprint(texts: datasets.Dataset) -> str:
-    """A hash that changes whenever the rows could have changed; the key of the caches built
-    from them. This is `datasets`' own lineage hash: for local files it covers their paths
-    and modification times, for hub datasets name, config, split and revision, for in-memory
-    data (the builtin corpus, materialised streams) the content, and it follows every
-    transform since (dropping empty documents, a held-out split with its fraction and seed)."""
-    return texts._fingerprint
+        train = _builtin(cfg) if cfg.source == "builtin" else _local(cfg, cache_root)
+        validation = None
+    for documents in (train, validation):
+        if documents is not None:
+            next(documents.batches())
+    return Corpus(train, validation, None if validation else cfg.validation_fraction)
 
 
 def builtin_corpus() -> datasets.Dataset:
@@ -74,6 +135,13 @@ def builtin_corpus() -> datasets.Dataset:
     kept), one document per topic in sorted order so every process sees the same rows."""
     from pydoc_data.topics import topics
     return datasets.Dataset.from_dict({"text": [topics[name] for name in sorted(topics)]})
+
+
+def _builtin(cfg: DataConfig) -> Documents:
+    texts = list(builtin_corpus()["text"])
+    digest = hashlib.sha256("\0".join(texts).encode()).hexdigest()
+    return Documents("builtin", cache_key("builtin", digest, cfg.max_documents), lambda: [{"text": texts}],
+                     "text", size=sum(len(t) for t in texts), max_documents=cfg.max_documents)
 
 
 # ---------------------------------------------------------------- local files
@@ -85,6 +153,25 @@ def _is_local(source: str) -> bool:
     path = Path(source).expanduser()
     return (path.exists() or any(c in source for c in GLOB_CHARACTERS) or source.startswith(("/", ".", "~"))
             or path.suffix in BUILDERS or source.count("/") > 1)
+
+
+def _local(cfg: DataConfig, cache_root: Path) -> Documents:
+    """Local files, streamed by the `datasets` builder for their extension (no Arrow copy is
+    made). A .txt file gives one document per paragraph (blocks separated by a blank line);
+    bytes that are not UTF-8 become U+FFFD instead of stopping the run. The fingerprint
+    covers the files' paths, sizes and modification times."""
+    files = _local_files(cfg.source)
+    builder = BUILDERS[Path(files[0]).suffix]
+    options = {"sample_by": "paragraph", "encoding_errors": "replace"} if builder == "text" else {}
+    stats = [(f, Path(f).stat().st_size, Path(f).stat().st_mtime_ns) for f in files]
+
+    def rows():
+        stream = datasets.load_dataset(builder, data_files=files, split="train", streaming=True,
+                                       cache_dir=str(cache_root / "datasets"), **options)
+        return stream.iter(batch_size=READ_BATCH)
+    fingerprint = cache_key("files", builder, options, stats, cfg.text_column, cfg.max_documents)
+    return Documents(cfg.source, fingerprint, rows, cfg.text_column, size=sum(s[1] for s in stats),
+                     max_documents=cfg.max_documents)
 
 
 def _local_files(source: str) -> list[str]:
@@ -115,30 +202,20 @@ def _local_files(source: str) -> list[str]:
     return sorted(str(p.resolve()) for p in files)
 
 
-def _load_local(files: list[str], cache_dir: Path) -> datasets.Dataset:
-    """Read the files with the `datasets` builder for their extension. A .txt file gives one
-    document per paragraph (blocks separated by a blank line); bytes that are not UTF-8
-    become U+FFFD instead of stopping the run."""
-    builder = BUILDERS[Path(files[0]).suffix]
-    options = {"sample_by": "paragraph", "encoding_errors": "replace"} if builder == "text" else {}
-    return datasets.load_dataset(builder, data_files=files, split="train", cache_dir=str(cache_dir), **options)
-
-
 # ---------------------------------------------------------------- hub
 
-def _load_hub(cfg: DataConfig) -> tuple[datasets.Dataset, datasets.Dataset | None]:
-    train = _load_hub_split(cfg, cfg.split)
-    validation = None if cfg.validation_split is None else _load_hub_split(cfg, cfg.validation_split)
-    return train, validation
-
-
-def _load_hub_split(cfg: DataConfig, split: str) -> datasets.Dataset:
-    """One split of a hub dataset. A streamed one is materialised up to
-    MAX_STREAMED_DOCUMENTS documents (a warning says when that cut it short)."""
+def _hub_split(cfg: DataConfig, split: str) -> Documents:
+    """One split of a hub dataset. Streamed, it is read to its end (or to data.max_documents)
+    and keyed by the dataset's revision; downloaded, it is read from the Arrow cache and keyed
+    by `datasets`' fingerprint of it."""
     try:
-        texts = datasets.load_dataset(cfg.source, cfg.hub_config, split=split, streaming=cfg.streaming)
         if cfg.streaming:
-            texts = _materialise(texts, cfg.source)
+            builder = datasets.load_dataset_builder(cfg.source, cfg.hub_config)
+            stream = builder.as_streaming_dataset(split=split)
+            fingerprint, size = cache_key("hub", cfg.source, cfg.hub_config, split, builder.hash), None
+        else:
+            stream = datasets.load_dataset(cfg.source, cfg.hub_config, split=split)
+            fingerprint, size = stream._fingerprint, stream.data.nbytes
     except ConnectionError as e:
         raise UserError(f"data.source '{cfg.source}': could not reach the Hugging Face hub ({one_line(e)}); "
                         f"to train on local files set data.source to a file, directory or glob of "
@@ -148,40 +225,11 @@ def _load_hub_split(cfg: DataConfig, split: str) -> datasets.Dataset:
     except ValueError as e:  # `datasets` reports an unknown split or config this way
         raise UserError(f"data.source '{cfg.source}' (data.hub_config={cfg.hub_config}, split '{split}'): "
                         f"{one_line(e)}") from None
-    return _clean(_text_column(texts, cfg.text_column, cfg.source), cfg.source)
-
-
-def _materialise(stream: datasets.IterableDataset, source: str) -> datasets.Dataset:
-    rows = list(itertools.islice(stream, MAX_STREAMED_DOCUMENTS))
-    if len(rows) == MAX_STREAMED_DOCUMENTS:
-        log.warning("data.source '%s': streaming, using the first %d documents only", source, len(rows))
-    return datasets.Dataset.from_list(rows)
-
-
-# ---------------------------------------------------------------- every source
-
-def _text_column(texts: datasets.Dataset, column: str, source: str) -> datasets.Dataset:
-    """Keep only `column`, renamed to "text"."""
-    if column not in texts.column_names:
-        raise UserError(f"config key 'data.text_column': data.source '{source}' has no column '{column}' "
-                        f"(columns: {', '.join(texts.column_names)})")
-    texts = texts.select_columns([column])
-    return texts if column == "text" else texts.rename_column(column, "text")
+    return Documents(cfg.source, cache_key(fingerprint, cfg.text_column, cfg.max_documents),
+                     lambda: stream.iter(batch_size=READ_BATCH), cfg.text_column, size=size,
+                     max_documents=cfg.max_documents)
 
 
 def one_line(error: Exception) -> str:
     """The message of a library's exception squeezed onto one line, as UserErrors are printed."""
     return " ".join(str(error).split()) or type(error).__name__
-
-
-def _has_text(batch: dict) -> list[bool]:
-    return [isinstance(t, str) and t.strip() != "" for t in batch["text"]]
-
-
-def _clean(texts: datasets.Dataset, source: str) -> datasets.Dataset:
-    """Drop empty and whitespace-only documents (and missing values in csv/json)."""
-    texts = texts.filter(_has_text, batched=True)
-    if len(texts) == 0:
-        raise UserError(f"data.source '{source}': no text found (every document is empty)")
-    log.info("data.source '%s': %d documents", source, len(texts))
-    return texts

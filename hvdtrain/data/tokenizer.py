@@ -1,26 +1,22 @@
-"""The tokenizer: trained on the corpus (`data.tokenizer: train`) or a pretrained one.
+"""The tokenizer: trained on a sample of the corpus (`data.tokenizer: train`) or a pretrained one.
 
 A trained tokenizer follows its architecture's convention: byte-level BPE with
 `<|endoftext|>` for GPT-2, lowercase WordPiece with [PAD] [UNK] [CLS] [SEP] [MASK] for
-BERT. Training is cached on disk, keyed by the corpus, so only the first process on a
-host trains and the others load the result. This module also holds the two helpers for
-such caches (a key, and an atomic write), which the packing cache reuses.
+BERT. It learns from a bounded sample (`tokenizer_sample`), so training takes the same time
+and memory for a corpus of a megabyte or a terabyte. Training is cached on disk, keyed by the
+corpus and the sample, so only the first process on a host trains and the others load the result.
 """
-import hashlib
 import json
 import logging
-import os
-import shutil
-import uuid
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-import datasets
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from hvdtrain.config import DataConfig
-from hvdtrain.data.text import one_line, texts_fingerprint
+from hvdtrain.data.cache import atomic_path, cache_key
+from hvdtrain.data.text import Corpus, one_line
 from hvdtrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -30,37 +26,54 @@ BERT_SPECIAL = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]"
                 "mask_token": "[MASK]"}
 
 
-def train_tokenizer(texts: datasets.Dataset, arch: str, vocab_size: int) -> PreTrainedTokenizerFast:
-    """A new tokenizer with (at most) `vocab_size` tokens learnt from `texts`, wrapped for
-    `transformers` with its special tokens set (so `save_pretrained` keeps them)."""
+def train_tokenizer(batches: Iterable[list[str]], arch: str, vocab_size: int) -> PreTrainedTokenizerFast:
+    """A new tokenizer with (at most) `vocab_size` tokens learnt from the texts in `batches`,
+    wrapped for `transformers` with its special tokens set (so `save_pretrained` keeps them)."""
     if arch == "gpt2":
         tokenizer, trainer, special = _byte_level_bpe(), _bpe_trainer(vocab_size), GPT2_SPECIAL
     elif arch == "bert":
         tokenizer, trainer, special = _wordpiece(), _wordpiece_trainer(vocab_size), BERT_SPECIAL
     else:
         raise ValueError(f"no tokenizer recipe for arch {arch!r}")
-    batches = (batch["text"] for batch in texts.iter(batch_size=1000))
-    tokenizer.train_from_iterator(batches, trainer, length=len(texts))
+    tokenizer.train_from_iterator(batches, trainer)
     if arch == "bert":  # the template needs the ids, which exist only after training
         tokenizer.post_processor = _bert_template(tokenizer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **special)
 
 
-def load_or_train_tokenizer(cfg: DataConfig, arch: str, texts: datasets.Dataset,
-                            cache_root: Path) -> PreTrainedTokenizerFast:
+def tokenizer_sample(corpus: Corpus, megabytes: float) -> Iterator[list[str]]:
+    """The text a tokenizer is trained on: the training documents from the start of the corpus,
+    in order, whole, until `megabytes` million characters (held-out validation documents are
+    skipped). The start and not a spread over the corpus, because a stream can only be read
+    from its start and reading a terabyte to sample it would cost more than the training; a
+    corpus whose beginning is unlike the rest (sorted by topic, say) should be shuffled first."""
+    budget = megabytes * 1_000_000
+    for docs in corpus.training_batches():
+        taken = []
+        for doc in docs:
+            taken.append(doc)
+            budget -= len(doc)
+            if budget <= 0:
+                yield taken
+                return
+        yield taken
+
+
+def load_or_train_tokenizer(cfg: DataConfig, arch: str, corpus: Corpus, cache_root: Path) -> PreTrainedTokenizerFast:
     """The tokenizer `data.tokenizer` asks for. A trained one is cached under
-    `cache_root/tokenizers/<key>`, keyed by (texts, arch, vocab_size); every caller gets
-    the copy loaded back from disk, so the first process and later ones hold the same
-    tokenizer (and the same fingerprint)."""
+    `cache_root/tokenizers/<key>`, keyed by (corpus, sample size, arch, vocab_size); every
+    caller gets the copy loaded back from disk, so the first process and later ones hold the
+    same tokenizer (and the same fingerprint)."""
     if cfg.tokenizer != "train":
         return _pretrained(cfg.tokenizer)
-    path = cache_root / "tokenizers" / cache_key(texts_fingerprint(texts), arch, cfg.vocab_size)
+    path = cache_root / "tokenizers" / cache_key(corpus.fingerprint, cfg.tokenizer_sample_mb, arch, cfg.vocab_size)
     if path.exists():
         log.info("tokenizer: cache hit %s", path)
     else:
-        log.info("tokenizer: training a %s tokenizer (vocab %d) on %d documents", arch, cfg.vocab_size, len(texts))
+        log.info("tokenizer: training a %s tokenizer (vocab %d) on up to %g MB of the corpus", arch,
+                 cfg.vocab_size, cfg.tokenizer_sample_mb)
         with atomic_path(path) as tmp:
-            train_tokenizer(texts, arch, cfg.vocab_size).save_pretrained(tmp)
+            train_tokenizer(tokenizer_sample(corpus, cfg.tokenizer_sample_mb), arch, cfg.vocab_size).save_pretrained(tmp)
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -118,31 +131,3 @@ def _bert_template(tokenizer: Tokenizer) -> processors.TemplateProcessing:
     cls, sep = BERT_SPECIAL["cls_token"], BERT_SPECIAL["sep_token"]
     return processors.TemplateProcessing(single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
                                          special_tokens=[(t, tokenizer.token_to_id(t)) for t in (cls, sep)])
-
-
-# ---------------------------------------------------------------- caches (shared with packing)
-
-def cache_key(*parts) -> str:
-    """A short stable hash of `parts` (strings and numbers): the name of a cache entry."""
-    return hashlib.sha256(json.dumps([str(p) for p in parts]).encode()).hexdigest()[:16]
-
-
-@contextmanager
-def atomic_path(target: Path):
-    """Yield a temporary path next to `target` to write a file or folder into; once the
-    block succeeds it is renamed to `target` in one step, so a crash never leaves a half
-    written cache. If another process got there first its copy is kept."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        yield tmp
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            if not target.exists():
-                raise
-    finally:
-        if tmp.is_dir():
-            shutil.rmtree(tmp)
-        elif tmp.exists():
-            tmp.unlink()

@@ -1,0 +1,106 @@
+"""Preparation and training from token files with real processes: two horovodrun workers write
+the files one process writes, a preparation killed half way is never taken for complete,
+a damaged token file stops `hvdtrain train` with one line and exit code 2, and training from
+the token files is training from today's in-memory blocks."""
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import OFFLINE, WORKERS, assert_same_losses, horovodrun, hvdtrain, run_cmd, step_losses
+from hvdtrain.config import load_config
+from hvdtrain.data import build_data, preparation
+from hvdtrain.data.text import builtin_corpus
+
+pytestmark = pytest.mark.workers
+
+PIECES = "20000"  # characters per piece: the builtin corpus in ~15 pieces
+TEXT = {"data": {"source": "builtin", "vocab_size": 600, "seq_len": 32, "validation_fraction": 0.1,
+                 "tokenizer_sample_mb": 0.5},
+        "train": {"max_steps": 4}, "eval": {"batches": 1}}
+
+
+def prepare_alone(config, cache: Path, *overrides, pieces=PIECES):
+    proc = run_cmd([sys.executable, WORKERS / "prepare_pieces.py", pieces, config, f"data.cache_dir={cache}",
+                    "data.num_proc=1", *overrides])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return prepared_folder(cache)
+
+
+def prepared_folder(cache: Path) -> Path:
+    (folder,) = (cache / "tokenized").iterdir()
+    return folder
+
+
+def files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and not p.name.startswith(".") and ".hosts" not in p.parts}
+
+
+def test_two_horovod_workers_write_the_files_one_process_writes(tmp_path, tiny_config):
+    config = tiny_config(TEXT)
+    alone = prepare_alone(config, tmp_path / "alone")
+    shutil.copytree(tmp_path / "alone" / "tokenizers", tmp_path / "pair" / "tokenizers")
+    proc = horovodrun(2, [WORKERS / "prepare_pieces.py", PIECES, config, f"data.cache_dir={tmp_path / 'pair'}",
+                          "data.num_proc=1"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "1 tokenizing processes x 2 workers" in proc.stdout
+    pair = prepared_folder(tmp_path / "pair")
+    assert pair.name == alone.name and len(files(alone)) > 20
+    assert files(pair) == files(alone)
+
+
+def test_a_killed_preparation_is_never_taken_for_complete(tmp_path, tiny_config, monkeypatch, caplog):
+    config = tiny_config({**TEXT, "data": {**TEXT["data"], "source": str(tmp_path / "corpus.txt")}})
+    (tmp_path / "corpus.txt").write_text("\n\n".join(list(builtin_corpus()["text"]) * 4))  # ~2 MB
+    cache = tmp_path / "cache"
+    proc = subprocess.Popen([sys.executable, WORKERS / "prepare_pieces.py", PIECES, config, f"data.cache_dir={cache}",
+                             "data.num_proc=1"], env={**os.environ, **OFFLINE}, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while len(list(cache.glob("tokenized/*/pieces/*.json"))) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, "the preparation ended before it was killed"
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)  # the preparation and its tokenizing processes
+    proc.wait()
+    folder = prepared_folder(cache)
+    assert not (folder / "index.json").exists()
+
+    # What training does next (with the same piece size): prepare the rest, then read.
+    monkeypatch.setattr(preparation, "PIECE_CHARS", int(PIECES))
+    caplog.set_level(logging.INFO, logger="hvdtrain")
+    data = build_data(load_config(str(config), [f"data.cache_dir={cache}"]), seed=0)
+    assert "tokens, prepared" in caplog.text and "tokens, cache hit" not in caplog.text
+    assert len(data.train) > 1000
+    shutil.copytree(cache / "tokenizers", tmp_path / "clean" / "tokenizers")
+    assert files(prepare_alone(config, tmp_path / "clean")) == files(folder)
+
+
+def test_a_damaged_token_file_stops_training_with_one_line(tmp_path, tiny_config):
+    """(Every kind of damage is checked in test_data_prepare.py; here the command's answer.)"""
+    config = tiny_config(TEXT)
+    folder = prepare_alone(config, tmp_path / "cache", pieces=str(preparation.PIECE_CHARS))  # as train cuts them
+    piece = folder / "train" / "train-000000.bin"
+    data = piece.read_bytes()
+    piece.write_bytes(data[:100] + bytes([data[100] ^ 4]) + data[101:])
+    proc = hvdtrain("train", config, f"data.cache_dir={tmp_path / 'cache'}", f"out_dir={tmp_path / 'run'}")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.startswith(f"hvdtrain: error: token file {piece} does not match its checksum")
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_training_from_token_files_is_training_from_todays_blocks(tmp_path, tiny_config):
+    config = tiny_config({**TEXT, "eval": {"every": 2, "batches": 2}})
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    files_run = hvdtrain("train", config, cache, f"out_dir={tmp_path / 'files'}", timeout=400)
+    assert files_run.returncode == 0, files_run.stdout[-2000:] + files_run.stderr[-2000:]
+    todays = run_cmd([sys.executable, WORKERS / "train_on_todays_blocks.py", config, cache,
+                      f"out_dir={tmp_path / 'today'}"], timeout=400)
+    assert todays.returncode == 0, todays.stdout[-2000:] + todays.stderr[-2000:]
+    assert_same_losses(step_losses(tmp_path / "files"), step_losses(tmp_path / "today"), min_steps=4)
