@@ -1,28 +1,35 @@
 """`hvdtrain bench`: how fast hvdtrain runs, against what the hardware and PyTorch allow.
 
-  hvdtrain bench overhead [CONFIG] [overrides]        hvdtrain's training loop vs a bare PyTorch
-                                                      loop, one worker, in one process
+  hvdtrain bench compare [CONFIG] [overrides]         hvdtrain's training step vs a plain
+        [--compile off,on] [--vary KEY=A,B]           transformers loop on the recipe's model and
+                                                      synthetic data, one worker, in one process:
+                                                      tokens/s, MFU, peak memory, ratios
+  hvdtrain bench overhead [CONFIG] [overrides]        the same, eager only (the loop's overhead)
   hvdtrain bench scaling CONFIG --np 1,2 [overrides]  throughput and scaling efficiency with N
                                                       local workers (each on one thread)
   hvdtrain bench allreduce [-np N] [--sizes 1K,..]    Horovod allreduce bandwidth per message size
 
-Every number comes from real runs of the real code: `overhead` calls hvdtrain.train.train()
-and reads the throughput it logs, `scaling` runs `hvdtrain launch`, `allreduce` times
-hvd.allreduce in workers started by horovodrun the way `hvdtrain launch` starts them.
+Every number comes from real runs of the real code: `compare` and `overhead` call
+hvdtrain.train.train() and read the throughput it logs, `scaling` runs `hvdtrain launch`,
+`allreduce` times hvd.allreduce in workers started by horovodrun the way `hvdtrain launch`
+starts them.
 """
 import contextlib
+import gc
 import io
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from hvdtrain import launch, metrics, report
+from hvdtrain import flops, launch, metrics, report
 from hvdtrain.config import Config, load_config, resolve_batch
 from hvdtrain.errors import UserError
 
@@ -44,36 +51,165 @@ def parse_ints(text: str, what: str) -> list[int]:
     return values
 
 
-# ---------------------------------------------------------------- overhead
+# ---------------------------------------------------------------- compare (and overhead)
+#
+# `compare` runs sides in one process, in alternating windows (A B C, C B A, A B C ...), so that
+# load from other processes and the GPU's clocks hit every side alike; each side reports its
+# median window. A side is a loop, a compile setting and optional variations:
+#   hvdtrain: hvdtrain.train.train() itself, the code `hvdtrain train` runs, one call per window,
+#             its throughput read from the metrics it logs;
+#   plain:    the obvious transformers loop on the same model and batches (model(**batch).loss,
+#             torch.compile of the whole model, fused AdamW on a GPU): what a user would write.
+# `overhead` is `compare` of the two loops, not compiled.
 
-def bare_window(cfg: Config, data, steps: list[list[dict]], device) -> float:
-    """Tokens/s of a plain PyTorch loop over `steps` (lists of micro batches already on the
-    device), timed over the second half: the first half warms up as hvdtrain's first log
-    interval does. The same model and maths as hvdtrain's step: accumulation, clipping, precision."""
+@dataclass
+class Side:
+    loop: str  # "hvdtrain" or "plain"
+    compiled: bool
+    variation: str | None = None  # a config override "key=value" or an environment switch "env:NAME=value"
+
+    @property
+    def label(self) -> str:
+        return " ".join([self.loop, "compiled" if self.compiled else "eager"] + ([self.variation] if self.variation else []))
+
+    def overrides(self) -> list[str]:
+        """Config overrides of this side (after the user's)."""
+        own = [self.variation] if self.variation and not self.variation.startswith("env:") else []
+        return [f"model.compile={str(self.compiled).lower()}", *own]
+
+    def env(self) -> dict:
+        if self.variation and self.variation.startswith("env:"):
+            name, value = self.variation[len("env:"):].split("=", 1)
+            return {name: value}
+        return {}
+
+
+def parse_variations(texts: list[str], config: str, overrides: list[str]) -> list[str]:
+    """--vary KEY=A,B (config keys, checked now) or env:NAME=A,B -> ["KEY=A", "KEY=B", ...]."""
+    out = []
+    for text in texts:
+        key, sep, values = text.partition("=")
+        if not sep or not key or not values:
+            raise UserError(f"--vary '{text}': expected KEY=VALUE[,VALUE...] or env:NAME=VALUE[,VALUE...]")
+        for value in values.split(","):
+            if key.startswith("env:"):
+                from hvdtrain.models import SWITCHES
+                name = key[len("env:"):]
+                if name in SWITCHES and value not in SWITCHES[name]:
+                    raise UserError(f"--vary '{text}': {name} takes {', '.join(SWITCHES[name])}")
+            else:
+                load_config(config, [*overrides, f"{key}={value}"])  # an unknown key or bad value: one line
+            out.append(f"{key}={value}")
+    return out
+
+
+def compare_sides(loops: list[str], compile_modes: list[bool], variations: list[str]) -> list[Side]:
+    if variations and "hvdtrain" not in loops:
+        raise UserError("--vary changes the hvdtrain loop: keep it in --loops")
+    sides = []
+    for compiled in compile_modes:
+        if "hvdtrain" in loops:
+            sides += [Side("hvdtrain", compiled)] + [Side("hvdtrain", compiled, v) for v in variations]
+        if "plain" in loops:
+            sides.append(Side("plain", compiled))
+    return sides
+
+
+def side_ratios(sides: list[Side]) -> list[tuple[Side, Side]]:
+    """(candidate, reference) pairs: hvdtrain over the plain loop, and hvdtrain over each of its
+    variations (for log.step_breakdown=false: the breakdown's cost, on over off)."""
+    pairs = []
+    for base in (s for s in sides if s.loop == "hvdtrain" and s.variation is None):
+        plain = [s for s in sides if s.loop == "plain" and s.compiled == base.compiled]
+        mine = [s for s in sides if s.loop == "hvdtrain" and s.compiled == base.compiled]
+        pairs += [(s, p) for s in mine for p in plain] + [(base, s) for s in mine if s.variation]
+    return pairs
+
+
+def reset_peak_memory(device) -> int:
+    """Starts a window's peak-memory count; returns what is allocated now (the baseline)."""
     import torch
 
-    from hvdtrain.models import IGNORE_INDEX, build_model, logits_and_labels, prepare
-    from hvdtrain.optimizers import build_optimizer
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    try:  # Linux: "5" resets the process's peak resident size (VmHWM) to the current one
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+    return proc_status_bytes("VmRSS")
+
+
+def peak_memory(device, baseline: int) -> int:
+    """Memory the window added at its peak: torch.cuda.max_memory_allocated on a GPU, the
+    resident set size (RSS) on a CPU."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) - baseline
+    return proc_status_bytes("VmHWM") - baseline
+
+
+def proc_status_bytes(field: str) -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@contextlib.contextmanager
+def environment(values: dict):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def plain_window(cfg: Config, data, steps: list[list[dict]], device, compiled: bool) -> float:
+    """Tokens/s of the obvious transformers loop over `steps` (lists of micro batches already on
+    the device), timed over the second half: the first half warms up (and compiles) as
+    hvdtrain's first log interval does. The same model (hvdtrain.models.build_model), batches,
+    precision, accumulation and clipping as hvdtrain; the loss is the model's own (mean over
+    the targets, the whole vocabulary projection for every position, BERT included)."""
+    import torch
+
+    from hvdtrain.models import build_model
 
     t = cfg.train
     torch.manual_seed(t.seed)
     model = build_model(cfg.model, data.vocab, cfg.data.seq_len).to(device)
     model.train()
-    prepare(model, cfg.model)  # model.compile / activation checkpointing, as configured
-    optimizer = build_optimizer(model, t, t.lr, device)
+    net = torch.compile(model) if compiled else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas), eps=t.eps,
+                                  weight_decay=t.weight_decay, fused=device.type == "cuda")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16 if t.precision == "bf16" else torch.float16,
                               enabled=t.precision != "fp32")
+    scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
+    causal = cfg.model.arch == "gpt2"
 
     def step(micro_batches):
         for mb in micro_batches:
-            with autocast:
-                # logits_and_labels: BERT projects only the masked positions, as in hvdtrain.
-                logits, labels = logits_and_labels(model, mb)
-                loss = torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX)
-            (loss / len(micro_batches)).backward()
+            with autocast:  # GPT-2 shifts its labels itself: they are the inputs
+                loss = net(input_ids=mb["input_ids"], labels=mb["input_ids"] if causal else mb["labels"]).loss
+            scaler.scale(loss / len(micro_batches)).backward()
         if t.grad_clip > 0:
+            scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        optimizer.step()
+        scaler.step(optimizer)
+        scaler.update()
         optimizer.zero_grad(set_to_none=True)
 
     half = len(steps) // 2
@@ -90,73 +226,196 @@ def bare_window(cfg: Config, data, steps: list[list[dict]], device) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def hvdtrain_window(config: str, overrides: list[str], out_dir: Path, steps: int) -> float:
+def hvdtrain_window(config: str, overrides: list[str], out_dir: Path, steps: int) -> tuple[float, dict]:
     """Tokens/s of hvdtrain.train.train() over 2 x `steps` steps, from its second log record
-    (the first one includes start-up). Its console output is dropped: only the numbers matter."""
+    (the first one includes start-up), and that record's step-time breakdown. Its console
+    output is dropped: only the numbers matter."""
     from hvdtrain.train import train
 
     cfg = load_config(config, [*overrides, f"out_dir={out_dir}", f"train.max_steps={2 * steps}",
-                               f"log.every={steps}", "log.progress=false", "checkpoint.resume=false"])
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        train(cfg)
-    records, _ = metrics.read_metrics(out_dir)
-    return records[-1]["tokens_per_s"]
+                               f"log.every={steps}", "log.progress=false", "log.tensorboard=false",
+                               "checkpoint.resume=false", "checkpoint.every=0", "eval.every=0", "eval.batches=1"])
+    output = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+            train(cfg)
+    except BaseException:
+        sys.stderr.write(output.getvalue()[-5000:])  # what train() said before it failed
+        raise
+    record = metrics.read_metrics(out_dir)[0][-1]
+    breakdown = {k: record[k] for k in [f"time_{p}" for p in metrics.PHASES] + ["time_step"] if k in record}
+    return record["tokens_per_s"], breakdown
 
 
-def run_overhead(args) -> int:
+def compare_batches(cfg: Config, data, device, steps: int) -> list[list[dict]]:
+    """The micro batches of hvdtrain's first 2 x `steps` steps on one worker, on the device."""
+    import torch
+
+    from hvdtrain.sampler import StreamSampler
+
+    grad_accum, _ = resolve_batch(cfg, 1)
+    sampler = StreamSampler(len(data.train), cfg.train.micro_batch_size, grad_accum, 0, 1, cfg.train.seed,
+                            max_steps=2 * steps)
+    micro = [{k: v.to(device) for k, v in data.collate([data.train[key] for key in keys]).items()
+              if torch.is_tensor(v)} for keys in sampler]
+    return [micro[i:i + grad_accum] for i in range(0, len(micro), grad_accum)]
+
+
+def flops_and_peak(cfg: Config, data, device) -> tuple[float | None, float | None, str]:
+    """FLOPs per token of the model as built (on the meta device: no memory, no time) and the
+    device's peak TFLOP/s for the recipe's precision (log.peak_tflops overrides; none on a CPU)."""
+    import torch
+
+    from hvdtrain.models import build_model
+
+    with torch.device("meta"):
+        dims = flops.built_model_dims(build_model(cfg.model, data.vocab, cfg.data.seq_len).config)
+    per_token = flops.model_flops_per_token(cfg, dims) if dims else None
+    if cfg.log.peak_tflops is not None:
+        return per_token, cfg.log.peak_tflops, "log.peak_tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak, source = flops.peak_tflops(name, cfg.train.precision)
+        return per_token, peak, f"{name}: {source}"
+    return per_token, None, "CPU: no peak"
+
+
+def raise_compile_cache_limits():
+    """Every window builds new models; let the compiler keep their compiled code rather than
+    fall back to eager after its default number of recompilations."""
+    import torch._dynamo
+
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                 "accumulated_cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 1024))
+
+
+def run_compare(args) -> int:
     import torch
 
     from hvdtrain import distributed
     from hvdtrain.data import build_data
-    from hvdtrain.sampler import StreamSampler
 
     if args.steps < 1 or args.windows < 1:
         raise UserError(f"--steps ({args.steps}) and --windows ({args.windows}) must be >= 1")
     config, overrides = args.config, args.overrides
     if config is not None and "=" in config and not Path(config).is_file():
         config, overrides = None, [config, *overrides]  # no CONFIG given, only overrides
-    if config is None:
-        config, overrides = DEFAULT_RECIPE, ["data.source=synthetic", *overrides]
+    config = config or DEFAULT_RECIPE
+    overrides = ["data.source=synthetic", *overrides]  # the recipe's model on synthetic data
+    loops = [loop.strip() for loop in args.loops.split(",")]
+    if not loops or set(loops) - {"hvdtrain", "plain"}:
+        raise UserError(f"--loops: expected hvdtrain, plain or both, got '{args.loops}'")
     cfg = load_config(config, overrides)
+    variations = parse_variations(args.vary, config, overrides)
     world = distributed.init(cfg)  # first, so both loops run with the thread count hvdtrain sets
     if world.size > 1:
-        raise UserError("bench overhead measures one worker: run it directly, not under horovodrun")
+        raise UserError(f"bench {args.benchmark} measures one worker: run it directly, not under horovodrun")
+    device = world.device
+    modes = args.compile or ("off,on" if device.type == "cuda" else "off")
+    try:
+        compile_modes = [{"off": False, "on": True}[m.strip()] for m in modes.split(",")]
+    except KeyError:
+        raise UserError(f"--compile: expected off, on or off,on, got '{modes}'") from None
+    sides = compare_sides(loops, compile_modes, variations)
+    if any(s.compiled for s in sides):
+        raise_compile_cache_limits()
 
-    # The bare loop gets the batches hvdtrain's first 2 x steps steps use, prepared up front.
     grad_accum, global_batch = resolve_batch(cfg, 1)
     data = build_data(cfg, cfg.train.seed)
-    sampler = StreamSampler(len(data.train), cfg.train.micro_batch_size, grad_accum, 0, 1, cfg.train.seed,
-                            max_steps=2 * args.steps)
-    micro = [{k: v.to(world.device) for k, v in data.collate([data.train[key] for key in keys]).items()
-              if torch.is_tensor(v)} for keys in sampler]
-    steps = [micro[i:i + grad_accum] for i in range(0, len(micro), grad_accum)]
+    flops_per_token, peak, peak_source = flops_and_peak(cfg, data, device)
+    steps = compare_batches(cfg, data, device, args.steps) if "plain" in loops else None
 
-    # Alternate the two (A B A B ...) so that load from other processes on a shared machine
-    # hits both alike; the medians then compare like with like.
-    bare, hvdtrain = [], []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.windows):
-            hvdtrain.append(hvdtrain_window(config, overrides, Path(tmp) / f"window{i}", args.steps))
-            bare.append(bare_window(cfg, data, steps, world.device))
-    result = {"config": config, "overrides": overrides, "steps_per_window": args.steps, "windows": args.windows,
-              "global_batch": global_batch, "seq_len": cfg.data.seq_len, "threads": torch.get_num_threads(),
-              "bare_tokens_per_s": bare, "hvdtrain_tokens_per_s": hvdtrain,
-              "bare_median": statistics.median(bare), "hvdtrain_median": statistics.median(hvdtrain)}
-    result["ratio"] = result["hvdtrain_median"] / result["bare_median"]
-    # The spread of the ratio within each A-B pair shows how far the machine's noise reaches.
-    result["pair_ratios"] = [h / b for h, b in zip(hvdtrain, bare)]
+    runs = {s.label: [] for s in sides}
+    failed = {}  # side label -> its error: a side that fails (say a compile mode) leaves the others
+    with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-") as tmp:
+        for window in range(args.windows):
+            for side in sides if window % 2 == 0 else sides[::-1]:
+                if side.label in failed:
+                    continue
+                out_dir = Path(tmp) / f"{window}-{side.label.replace(' ', '_')}"
+                try:
+                    runs[side.label].append(compare_window(side, config, overrides, cfg, data, steps, device,
+                                                           out_dir, args.steps))
+                except Exception as e:  # noqa: BLE001 - reported with the results
+                    failed[side.label] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+                    print(f"hvdtrain bench: {side.label} failed: {failed[side.label]}", file=sys.stderr, flush=True)
+                finally:
+                    shutil.rmtree(out_dir, ignore_errors=True)  # checkpoints: gigabytes for big models
+                    gc.unfreeze()  # train() froze the objects alive at its start, this loop's included
+                    gc.collect()
+
+    rows = [side_row(side, runs[side.label], failed.get(side.label), cfg, flops_per_token, peak) for side in sides]
+    by_label = {r["side"]: r for r in rows if r["tokens_per_s"]}
+    ratios = [{"side": a.label, "reference": b.label,
+               "ratio": by_label[a.label]["median_tokens_per_s"] / by_label[b.label]["median_tokens_per_s"],
+               "pair_ratios": [x / y for x, y in zip(by_label[a.label]["tokens_per_s"], by_label[b.label]["tokens_per_s"])]}
+              for a, b in side_ratios(sides) if a.label in by_label and b.label in by_label]
+    result = {"benchmark": args.benchmark, "config": config, "overrides": overrides, "device": str(device),
+              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "threads": torch.get_num_threads(), "steps_per_window": args.steps,
+              "windows": args.windows, "global_batch": global_batch, "grad_accum": grad_accum,
+              "seq_len": cfg.data.seq_len, "precision": cfg.train.precision, "flops_per_token": flops_per_token,
+              "peak_tflops": peak, "peak_source": peak_source, "sides": rows, "ratios": ratios}
     if args.json:
         print(json.dumps(result))
-        return 0
-    print(f"overhead: {config} {' '.join(overrides)}\n  1 worker, {torch.get_num_threads()} threads, global batch "
-          f"{global_batch} x {cfg.data.seq_len} tokens, {args.windows} alternating windows of {args.steps} timed "
-          f"steps (after {args.steps} warm-up steps each)")
-    print(f"{'loop':<14}{'median tokens/s':>16}   windows")
-    for name, values in (("bare PyTorch", bare), ("hvdtrain", hvdtrain)):
-        print(f"{name:<14}{statistics.median(values):>16,.0f}   {' '.join(f'{v:,.0f}' for v in values)}")
-    print(f"ratio hvdtrain/bare: {result['ratio']:.3f} (ratios within pairs of windows: "
-          f"{min(result['pair_ratios']):.3f} to {max(result['pair_ratios']):.3f})")
-    return 0
+    else:
+        print_compare(result)
+    return 1 if failed else 0
+
+
+def compare_window(side: Side, config: str, overrides: list[str], cfg: Config, data, steps, device, out_dir: Path,
+                   n_steps: int) -> dict:
+    """One timing window of one side: tokens/s, the memory it added at its peak, and for
+    hvdtrain the step-time breakdown it logged."""
+    with environment(side.env()):
+        baseline = reset_peak_memory(device)
+        breakdown = None
+        if side.loop == "hvdtrain":
+            rate, breakdown = hvdtrain_window(config, [*overrides, *side.overrides()], out_dir, n_steps)
+        else:
+            rate = plain_window(cfg, data, steps, device, side.compiled)
+        return {"tokens_per_s": rate, "peak_memory_bytes": peak_memory(device, baseline), "breakdown": breakdown}
+
+
+def side_row(side: Side, windows: list[dict], error: str | None, cfg: Config, flops_per_token, peak) -> dict:
+    rates = [w["tokens_per_s"] for w in windows]
+    median = statistics.median(rates) if rates else None
+    return {"side": side.label, "loop": side.loop, "compiled": side.compiled, "variation": side.variation,
+            "error": error, "tokens_per_s": rates, "median_tokens_per_s": median,
+            "median_sequences_per_s": median / cfg.data.seq_len if rates else None,
+            "mfu": flops.mfu(median, flops_per_token, peak) if rates and peak and flops_per_token else None,
+            "peak_memory_bytes": max(w["peak_memory_bytes"] for w in windows) if windows else None,
+            "breakdown": sorted(windows, key=lambda w: w["tokens_per_s"])[len(windows) // 2]["breakdown"]
+            if windows else None}
+
+
+def print_compare(result: dict):
+    print(f"{result['benchmark']}: {result['config']} {' '.join(result['overrides'])}\n  {result['device_name']}, "
+          f"torch {result['torch']}, 1 worker ({result['threads']} threads), {result['precision']}, global batch "
+          f"{result['global_batch']} x {result['seq_len']} tokens (accumulation {result['grad_accum']}); "
+          f"{result['windows']} alternating windows of {result['steps_per_window']} timed steps (after as many "
+          f"warm-up steps); MFU peak: {result['peak_tflops'] or 'none'} ({result['peak_source']})")
+    width = max(len(r["side"]) for r in result["sides"]) + 2
+    print(f"{'side':<{width}}{'tokens/s':>12}{'seq/s':>10}{'MFU':>8}{'peak mem':>11}   windows (tokens/s)")
+    for r in result["sides"]:
+        if not r["tokens_per_s"]:
+            print(f"{r['side']:<{width}}failed: {r['error']}")
+            continue
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+        print(f"{r['side']:<{width}}{r['median_tokens_per_s']:>12,.0f}{r['median_sequences_per_s']:>10,.1f}{mfu:>8}"
+              f"{r['peak_memory_bytes'] / 2**30:>7.2f} GiB   {' '.join(f'{v:,.0f}' for v in r['tokens_per_s'])}"
+              + (f"  (then failed: {r['error']})" if r["error"] else ""))
+    for r in result["ratios"]:
+        print(f"ratio {r['side']} / {r['reference']}: {r['ratio']:.3f} (within pairs of windows "
+              f"{min(r['pair_ratios']):.3f} to {max(r['pair_ratios']):.3f})")
+
+
+def run_overhead(args) -> int:
+    """hvdtrain's loop against the plain loop, eager: `compare --loops hvdtrain,plain --compile off`."""
+    args.loops, args.compile, args.vary = "hvdtrain,plain", "off", []
+    return run_compare(args)
 
 
 # ---------------------------------------------------------------- scaling
@@ -328,16 +587,31 @@ def run_allreduce_worker(args) -> int:
 
 # ---------------------------------------------------------------- command line
 
-def add_cli(sub):
-    bench = sub.add_parser("bench", help="benchmarks: loop overhead, scaling, allreduce bandwidth")
-    kinds = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
-
-    p = kinds.add_parser("overhead", help="hvdtrain's training loop vs a bare PyTorch loop (1 worker)")
-    p.add_argument("config", nargs="?", help=f"YAML recipe (default: {DEFAULT_RECIPE} with data.source=synthetic)")
+def add_compare_args(p):
+    p.add_argument("config", nargs="?", help=f"YAML recipe (default: {DEFAULT_RECIPE}); its data is replaced by "
+                                             "synthetic data")
     p.add_argument("overrides", nargs="*", help="dotted overrides such as train.micro_batch_size=4")
     p.add_argument("--steps", type=int, default=5, help="timed steps per window (each also warms up as many)")
-    p.add_argument("--windows", type=int, default=5, help="timing windows of each loop, alternated")
+    p.add_argument("--windows", type=int, default=5, help="timing windows of each side, alternated")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def add_cli(sub):
+    bench = sub.add_parser("bench", help="benchmarks: hvdtrain vs plain PyTorch, scaling, allreduce bandwidth")
+    kinds = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+
+    p = kinds.add_parser("compare", help="hvdtrain's training step vs a plain transformers loop, and variations")
+    add_compare_args(p)
+    p.add_argument("--loops", default="hvdtrain,plain", help="hvdtrain, plain or both (default both)")
+    p.add_argument("--compile", default=None,
+                   help="off, on or off,on: the loops eager and/or compiled (default: off,on on a GPU, off on a CPU)")
+    p.add_argument("--vary", action="append", default=[], metavar="KEY=A[,B]",
+                   help="also run hvdtrain with each value: a config key (log.step_breakdown=false) or an "
+                        "environment switch (env:HVDTRAIN_LOSS=logits); repeatable")
+    p.set_defaults(func=run_compare)
+
+    p = kinds.add_parser("overhead", help="hvdtrain's training loop vs a plain loop, eager (compare --compile off)")
+    add_compare_args(p)
     p.set_defaults(func=run_overhead)
 
     p = kinds.add_parser("scaling", help="throughput and scaling efficiency with N local workers")
