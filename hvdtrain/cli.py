@@ -21,7 +21,7 @@ import sys
 
 from hvdtrain import bench, export, inference, plan, report
 from hvdtrain.errors import UserError
-from hvdtrain.launch import add_config_args, add_launch_options, run_launch
+from hvdtrain.launch import add_config_args, add_elastic_options, add_launch_options, run_launch
 
 RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
 
@@ -35,11 +35,16 @@ def process_rank() -> int:
 
 def run_train(args) -> int:
     from hvdtrain.config import load_config
+    from hvdtrain.distributed import is_elastic_job
     from hvdtrain.run_control import RunStopped
-    from hvdtrain.train import train
 
+    cfg = load_config(args.config, args.overrides)
+    if is_elastic_job():
+        from hvdtrain.elastic import train_elastic as train
+    else:
+        from hvdtrain.train import train
     try:
-        train(load_config(args.config, args.overrides))
+        train(cfg)
     except RunStopped as stopped:  # on purpose (preemption, divergence): its own exit code
         if process_rank() == 0:
             print(f"hvdtrain: stopped: {stopped}", file=sys.stderr, flush=True)
@@ -67,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("launch", help="start N workers with horovodrun")
     add_launch_options(p, default_np=2)
+    add_elastic_options(p)
     add_config_args(p)
     p.set_defaults(func=run_launch)
 

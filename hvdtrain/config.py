@@ -122,6 +122,14 @@ class ParallelConfig:
 
 
 @dataclass
+class ElasticConfig:
+    # Elastic jobs (hvdtrain launch --elastic): steps between in-memory commits of the training
+    # state. A lost worker rolls every worker back to the last commit; a commit also happens
+    # before every checkpoint, and added workers join at one.
+    commit_every: int = 10
+
+
+@dataclass
 class CheckpointConfig:
     every: int = 0  # steps between checkpoints; 0: only at the end
     keep: int = 2  # how many of the newest checkpoints to keep
@@ -163,6 +171,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     horovod: HorovodConfig = field(default_factory=HorovodConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -373,6 +382,7 @@ def validate(cfg: Config):
              par.microbatches)
     _require(par.pipeline_stages * par.stages_per_rank <= m.n_layer or m.pretrained, "parallel.pipeline_stages",
              f"at most model.n_layer={m.n_layer} stages in all (x parallel.stages_per_rank)", par.pipeline_stages)
+    _require(cfg.elastic.commit_every >= 1, "elastic.commit_every", "an integer >= 1", cfg.elastic.commit_every)
     if cfg.horovod.op == "adasum":
         # Horovod's Adasum optimizer applies each update inside the backward hooks, before the
         # token normalisation, fp16 unscaling and gradient clipping that every step needs.

@@ -78,9 +78,19 @@ def init(cfg: Config) -> World:
         device = torch.device("cpu")
         if "OMP_NUM_THREADS" not in os.environ:  # share the host's cores between its workers
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
-    world = World(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), device)
+    world = current_world(device)
     rng.seed_everything(cfg.train.seed, world.rank)
     return world
+
+
+def current_world(device: torch.device) -> World:
+    """This worker's rank and the world's size now (an elastic reset changes them)."""
+    return World(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), device)
+
+
+def is_elastic_job() -> bool:
+    """Started by `horovodrun --min-np/--max-np/--host-discovery-script` (hvdtrain launch --elastic)."""
+    return os.environ.get("HOROVOD_ELASTIC") == "1"
 
 
 def timeline_path(cfg: Config) -> Path | None:

@@ -28,7 +28,33 @@ def horovodrun_command(args, worker_args: list[str]) -> list[str]:
         cmd += ["--network-interface", args.network_interface]
     if args.start_timeout is not None:
         cmd += ["--start-timeout", str(args.start_timeout)]
+    if getattr(args, "elastic", False):
+        cmd += elastic_options(args)
     return cmd + args.horovodrun_args + [sys.executable, "-m", "hvdtrain.cli"] + worker_args
+
+
+def elastic_options(args) -> list[str]:
+    """horovodrun's elastic flags (Gloo only): the worker range, where hosts come from, and how
+    failures are handled."""
+    if args.controller == "mpi":
+        raise UserError("--elastic runs on Gloo (Horovod Elastic has no MPI mode); drop --mpi")
+    if not args.host_discovery_script and not args.hosts:
+        raise UserError("--elastic needs --host-discovery-script FILE (prints host:slots lines) or -H hosts")
+    min_np, max_np = args.min_np or args.np, args.max_np or args.np
+    if not 1 <= min_np <= args.np <= max_np:
+        raise UserError(f"--elastic: expected 1 <= --min-np ({min_np}) <= -np ({args.np}) <= --max-np ({max_np})")
+    cmd = ["--min-np", str(min_np), "--max-np", str(max_np)]
+    if args.host_discovery_script:
+        if not os.access(args.host_discovery_script, os.X_OK):
+            raise UserError(f"--host-discovery-script '{args.host_discovery_script}' is not an executable file")
+        cmd += ["--host-discovery-script", args.host_discovery_script]
+    if args.reset_limit is not None:
+        cmd += ["--reset-limit", str(args.reset_limit)]
+    if args.blacklist_cooldown_range:
+        cmd += ["--blacklist-cooldown-range", *map(str, args.blacklist_cooldown_range)]
+    if args.elastic_timeout is not None:
+        cmd += ["--elastic-timeout", str(args.elastic_timeout)]
+    return cmd
 
 
 def hosts_by_rank(hosts: str | None, np: int) -> list[str]:
@@ -119,6 +145,19 @@ def add_launch_options(p: argparse.ArgumentParser, default_np: int):
                         "or HOROVOD_START_TIMEOUT)")
     p.add_argument("--horovodrun-args", dest="horovodrun_args", default=[], type=str.split,
                    help="extra horovodrun options, quoted as one string")
+
+
+def add_elastic_options(p: argparse.ArgumentParser):
+    g = p.add_argument_group("elastic jobs (Horovod Elastic): workers may be lost or added while the run goes on")
+    g.add_argument("--elastic", action="store_true", help="run as an elastic job (needs train.global_batch_size)")
+    g.add_argument("--min-np", type=int, help="fewest workers to go on with (default -np)")
+    g.add_argument("--max-np", type=int, help="most workers to grow to (default -np)")
+    g.add_argument("--host-discovery-script", help="executable that prints the available host:slots, one a line")
+    g.add_argument("--reset-limit", type=int, help="most resets before the job gives up")
+    g.add_argument("--blacklist-cooldown-range", type=int, nargs=2, metavar=("MIN_S", "MAX_S"),
+                   help="a failed host may come back after a cooldown between these seconds (default: never)")
+    g.add_argument("--elastic-timeout", type=int, metavar="SECONDS",
+                   help="how long to wait for --min-np workers before failing (default 600)")
 
 
 def add_config_args(p: argparse.ArgumentParser):

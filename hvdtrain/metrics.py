@@ -8,6 +8,7 @@ One JSON object per line. A training record per log interval:
     time_step, comm_fraction, compute_min/max, slowest_rank, fastest_rank, imbalance,
     imbalance_warning and ranks (per-rank times of each phase).
 An evaluation record: step, eval_loss, eval_ppl, eval_accuracy.
+An event record: step, event (e.g. "reset" of an elastic job) and what describes it.
 
 Writers: the training loop (through hvdtrain.run_log.RunLog). Readers: `hvdtrain report`,
 `hvdtrain plan --measured`, the benchmarks and the tests, all through `read_metrics` /
@@ -101,6 +102,11 @@ def is_eval(record: dict) -> bool:
     return "eval_loss" in record
 
 
+def is_event(record: dict) -> bool:
+    """Not a measurement: something that happened at a step (an elastic reset)."""
+    return "event" in record
+
+
 # ---------------------------------------------------------------- reading them back
 
 def read_records(path: Path, what: str = "metrics file") -> list[dict]:
@@ -128,7 +134,8 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
         raise UserError(f"'{run_dir}' is not a run folder: {path} does not exist")
     train, evals = {}, {}
     for record in read_records(path):
-        (evals if is_eval(record) else train)[record["step"]] = record
+        if not is_event(record):
+            (evals if is_eval(record) else train)[record["step"]] = record
     if not train:
         raise UserError(f"{path} has no training records yet")
     return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)]

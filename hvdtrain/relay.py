@@ -36,6 +36,9 @@ FIRST_EXIT_CODE = re.compile(r"Exit code:\s*(-?\d+)")
 MPI_SIGNAL = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)")
 SSH_FAILED = re.compile(r"^ssh not successful for host (\S+):\n\s*(.*)$", re.M)
 WORKERS_FAILED = "Horovod detected that one or more processes exited with non-zero status"
+# Elastic jobs name a worker by host and slot, and stop when too few are left for too long.
+ELASTIC_FAILED = re.compile(r"Process name:\s*(\S+)\[(\d+)\]\s*\nExit code:\s*(-?\d+)")
+ELASTIC_TIMEOUT = re.compile(r"enough resources to run at least (\d+) Horovod processes\. Timeout after (\d+) seconds")
 MPI_ECHO_BOXES = ("Primary job  terminated normally", "mpirun detected that one or more processes exited",
                   "mpirun noticed that process rank")
 
@@ -113,13 +116,22 @@ class Relay:
         if causes and causes[0].is_one_line:
             self.err.write(causes[0].lines[0])
             return 2 if causes[0].lines[0].startswith(USER_ERROR) else failed[1] if failed else returncode
+        launcher = "".join(self.launcher_lines)
+        elastic_failed, too_few = ELASTIC_FAILED.search(launcher), ELASTIC_TIMEOUT.search(launcher)
         if causes:
             self.err.write(f"hvdtrain: {self.worker(causes[0].rank)} failed:\n")
             self.err.writelines(causes[0].lines)
+        elif elastic_failed:
+            host, slot, code = elastic_failed.groups()
+            self.err.write(self.worker_exit(int(slot), int(code)).replace(f"worker {slot}", f"the worker on host {host}"))
         elif failed:
             self.err.write(self.worker_exit(*failed))
         else:
             self.err.write(self.launcher_error(returncode))
+        if too_few:
+            self.err.write(f"hvdtrain: error: the elastic job had fewer than --min-np {too_few[1]} workers for longer "
+                           f"than --elastic-timeout ({too_few[2]} s) and stopped; the same command resumes from its "
+                           f"last checkpoint\n")
         return failed[1] if failed and failed[1] > 0 else returncode
 
     def first_failed_worker(self) -> tuple[int, int] | None:

@@ -52,6 +52,12 @@ class RunLog:
         acc = f", accuracy {record['eval_accuracy']:.3f}" if "eval_accuracy" in record else ""
         self.message(f"step {record['step']}: eval loss {record['eval_loss']:.4f}{ppl}{acc}")
 
+    def event(self, record: dict):
+        """Something that happened to the run at a step (e.g. an elastic reset): a record and a line."""
+        self.write(record)
+        details = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in record.items() if k not in ("step", "event"))
+        self.message(f"step {record['step']}: {record['event']} ({details})")
+
     def message(self, text: str):
         self.bar.write(text)
 

@@ -19,6 +19,7 @@ import gc
 import hashlib
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -144,13 +145,63 @@ def open_run_folder(cfg: Config, world, data: DataBundle, model, state: Training
     return RunLog(cfg.out_dir, state.step, cfg.train.max_steps, cfg.log.progress, cfg.log.tensorboard)
 
 
-def train(cfg: Config) -> torch.nn.Module:
-    """Run (or resume) the training described by `cfg` on this worker; returns the model."""
+@dataclass
+class Setup:
+    """What the step loop works with: made once by `set_up`, or again after every reset of an
+    elastic job (hvdtrain.elastic), where the world can change size."""
+    world: distributed.World
+    data: DataBundle
+    model: torch.nn.Module          # the whole model, or this worker's pipeline stage
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    state: TrainingState
+    grad_accum: int
+    global_batch: int
+    peak_lr: float
+    shard: int                      # which copy of the data this worker reads, of `shards`
+    shards: int
+    layout: pipeline.Layout | None = None
+    groups: pipeline.Groups | None = None
+    pipe: pipeline.Pipeline | None = None
+    reduce_after: bool = False      # pipeline copies reduce gradients after the schedule's run
+    resumed_from: Path | None = None
+
+
+def build_model_and_optimizer(cfg: Config, data: DataBundle, device, grad_accum: int, shards: int,
+                              layout=None, groups=None):
+    """The model (or this worker's stage of it), its optimizer (Horovod's, unless the pipeline
+    reduces after its run) and grad scaler; the same seed on every rank. Returns them with the
+    whole model's tied parameter names and whether gradients are reduced after the pipeline."""
+    t, par = cfg.train, cfg.parallel
+    torch.manual_seed(t.seed)
+    model = build_model(cfg.model, data.vocab, cfg.data.seq_len)
+    prepare(model, cfg.model)  # activation checkpointing, compiled blocks
+    aliases = checkpoint.tie_aliases(model)  # of the whole model, before a split
+    if layout is not None:  # keep this worker's stage only, under the whole model's names
+        bounds = pipeline.stage_bounds(model.config.num_hidden_layers, layout.stages, layout.stages_per_rank,
+                                       par.layer_boundaries)
+        model = pipeline.split_model(model, layout, bounds)
+    model.to(device)
+    model.train()
+    peak_lr = t.lr * distributed.lr_scale(t.lr_scaling, shards)
+    optimizer = build_optimizer(model, t, peak_lr, device)
+    # The copies of a stage reduce gradients during backward (Horovod's hooks), or after the
+    # pipeline's step where NCCL would otherwise run two communicators at once.
+    reduce_after = layout is not None and (par.reduce_gradients or
+                                           ("after" if device.type == "cuda" else "during")) == "after"
+    if not reduce_after:
+        optimizer = distributed.wrap_optimizer(optimizer, model, cfg.horovod, grad_accum,
+                                               groups.process_set if groups else None)
+    scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
+    return model, optimizer, scaler, aliases, peak_lr, reduce_after
+
+
+def set_up(cfg: Config) -> Setup:
+    """Every step before the first training step, in order; collective."""
     # ---- set-up 1. Horovod: init, pin the GPU, seed
     check_writable_folder(cfg.out_dir, "out_dir")
     world = distributed.init(cfg)
-    device = world.device
-    t, par = cfg.train, cfg.parallel
+    par = cfg.parallel
     grad_accum, global_batch = resolve_batch(cfg, world.size)
     # Pipeline stages: this worker's place in the stages x copies grid; the copies shard the data.
     layout = (pipeline.layout_for(world.rank, world.size, par.pipeline_stages, par.stages_per_rank)
@@ -163,33 +214,38 @@ def train(cfg: Config) -> torch.nn.Module:
     # ---- set-up 3. the checkpoint to resume from (rank 0 decides, every rank is told)
     resume_from = find_resume_checkpoint(cfg, world)
 
-    # ---- set-up 4. model, optimizer and their state: the same seed on every rank, rank 0's values win
-    torch.manual_seed(t.seed)
-    model = build_model(cfg.model, data.vocab, cfg.data.seq_len)
-    prepare(model, cfg.model)  # activation checkpointing, compiled blocks
-    aliases = checkpoint.tie_aliases(model)  # of the whole model, before a split
+    # ---- set-up 4. model, optimizer and their state: rank 0's values win (or each stage's part)
     groups = pipe = None
-    if layout is not None:  # keep this worker's stage only, under the whole model's names
-        groups = pipeline.open_groups(layout, "nccl" if device.type == "cuda" else "gloo")
-        bounds = pipeline.stage_bounds(model.config.num_hidden_layers, layout.stages, layout.stages_per_rank,
-                                       par.layer_boundaries)
-        model = pipeline.split_model(model, layout, bounds)
-    model.to(device)
-    model.train()
-    peak_lr = t.lr * distributed.lr_scale(t.lr_scaling, shards)
-    optimizer = build_optimizer(model, t, peak_lr, device)
-    # The copies of a stage reduce gradients during backward (Horovod's hooks), or after the
-    # pipeline's step where NCCL would otherwise run two communicators at once.
-    reduce_after = layout is not None and (par.reduce_gradients or ("after" if device.type == "cuda" else "during")) == "after"
-    if not reduce_after:
-        optimizer = distributed.wrap_optimizer(optimizer, model, cfg.horovod, grad_accum,
-                                               groups.process_set if groups else None)
-    scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
+    if layout is not None:
+        groups = pipeline.open_groups(layout, "nccl" if world.device.type == "cuda" else "gloo")
+    model, optimizer, scaler, aliases, peak_lr, reduce_after = build_model_and_optimizer(
+        cfg, data, world.device, grad_accum, shards, layout, groups)
     state = TrainingState(model, optimizer, scaler, world, cfg, layout, aliases)
     state.restore(resume_from)
     if layout is not None:
         pipe = pipeline.build_schedule(model, layout, groups, par.schedule, par.microbatches or grad_accum,
-                                       1.0, device)
+                                       1.0, world.device)
+    return Setup(world, data, model, optimizer, scaler, state, grad_accum, global_batch, peak_lr, shard, shards,
+                 layout, groups, pipe, reduce_after, resume_from)
+
+
+def train(cfg: Config) -> torch.nn.Module:
+    """Run (or resume) the training described by `cfg` on this worker; returns the model."""
+    return run_steps(cfg, set_up(cfg))
+
+
+def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> torch.nn.Module:
+    """From the state's step to the end of the run: loaders, run folder, then the step loop.
+
+    `commit`: the elastic job's in-memory commit, called every elastic.commit_every steps and
+    before each checkpoint; it raises when workers were added or lost, which ends this call and
+    lets hvdtrain.elastic re-enter it with the new world. `events`: records (e.g. that reset)
+    for rank 0 to log first."""
+    world, data, model, optimizer, scaler, state = s.world, s.data, s.model, s.optimizer, s.scaler, s.state
+    layout, groups, pipe, reduce_after = s.layout, s.groups, s.pipe, s.reduce_after
+    grad_accum, global_batch, peak_lr, shard, shards = s.grad_accum, s.global_batch, s.peak_lr, s.shard, s.shards
+    device, t, par = world.device, cfg.train, cfg.parallel
+    resume_from = s.resumed_from
 
     # ---- set-up 5. loaders from the state's stream position
     loader, eval_loader = build_loaders(cfg, data, world, shard, shards, grad_accum, state)
@@ -204,6 +260,9 @@ def train(cfg: Config) -> torch.nn.Module:
                                 f"{pipeline.ideal_bubble(layout.stages, m):.0%}, gradients reduced "
                                 f"{'after' if reduce_after else 'during'} the pipeline's backward")
     log = open_run_folder(cfg, world, data, model, state, resume_from, resolved)
+    for event in events:
+        if log is not None:
+            log.event(event)
     timeline = distributed.timeline_path(cfg)
     if timeline is not None:
         distributed.start_timeline(timeline)
@@ -321,7 +380,10 @@ def train(cfg: Config) -> torch.nn.Module:
                 if log is not None:
                     log.eval_record({"step": done, **result})
                 timer.reset()  # evaluation time is not training step time
-            if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == last_step or stop:
+            checkpoint_due = (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == last_step or stop
+            if commit is not None and (done % cfg.elastic.commit_every == 0 or checkpoint_due):
+                commit()  # in memory; raises when workers were added or lost (elastic jobs only)
+            if checkpoint_due:
                 state.save()
                 timer.reset()
             if stop:

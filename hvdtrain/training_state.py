@@ -75,6 +75,16 @@ class TrainingState:
         self.step = 0
         self.position = 0
 
+    def load(self, path: Path):
+        """Read the checkpoint `path` into this process alone (no collective): elastic jobs, whose
+        first sync then makes rank 0's values everyone's."""
+        checkpoint.load_weights(self.model, path, self.aliases)
+        checkpoint.load_optimizer(self.optimizer, self.model, path, self.aliases)
+        saved = checkpoint.read_state(path)
+        self.step, self.position = saved["step"], saved["position"]
+        if saved["scaler"] and self.scaler.is_enabled():
+            self.scaler.load_state_dict(saved["scaler"])
+
     def restore(self, path: Path | None):
         """Start from `path` (a checkpoint) or afresh; collective. Without pipeline stages rank 0
         reads the checkpoint and broadcasts; with them every worker reads its stage's part (the

@@ -1,0 +1,147 @@
+"""Elastic training: a lost worker or host does not stop the run, and new workers join it.
+
+Horovod Elastic (`horovodrun --min-np/--max-np`, what `hvdtrain launch --elastic` starts) keeps
+the surviving processes alive when a worker dies, rolls them back to the last in-memory commit
+and continues with the new set of workers; added workers join at the next commit. The training
+function runs under `hvd.elastic.run`, so every collective happens inside it: on each (re)entry
+everything that depends on the world size is derived again from the committed state (the
+accumulation for the fixed global batch, the sampler at the committed stream position, the
+token normaliser, the run log on whichever process is rank 0 now) and the step loop of
+hvdtrain.train continues. The global batch and the data order do not change when the world
+does, so the losses equal an undisturbed run (no sample is repeated or skipped: the redone steps
+after a rollback read the same samples, and the later record of a redone step wins).
+
+What a commit holds (ElasticState): the model, the optimizer, the grad scaler, the step and the
+stream position, in host memory on every worker. Its sync broadcasts rank 0's, like
+hvdtrain.distributed.broadcast_state: the optimizer state only when rank 0 has one, so a fresh
+AdamW never takes Horovod's dummy step. RNG streams are derived from (seed, rank, step) after
+every reset, as on a resume with another world size.
+"""
+import copy
+
+import horovod.torch as hvd
+import torch
+from horovod.common.elastic import State
+from horovod.common.exceptions import HostsUpdatedInterrupt
+
+from hvdtrain import checkpoint, distributed, rng
+from hvdtrain.config import Config, resolve_batch
+from hvdtrain.data import build_data
+from hvdtrain.errors import UserError
+from hvdtrain.paths import check_writable_folder
+from hvdtrain.train import Setup, build_model_and_optimizer, check_data, run_steps
+from hvdtrain.training_state import TrainingState, resume_problem
+
+
+class ElasticState(State):
+    """The in-memory commit of a TrainingState (see the module's docstring)."""
+
+    def __init__(self, training: TrainingState):
+        super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank)
+        self.training = training
+        self.last_reset = None  # (why, steps rolled back, world size before), for the run log
+        self.save()
+
+    def save(self):
+        t = self.training
+        self.saved = {"model": {k: v.detach().to("cpu", copy=True) for k, v in t.model.state_dict().items()},
+                      "optimizer": copy.deepcopy(t.optimizer.state_dict()), "scaler": t.scaler.state_dict(),
+                      "step": t.step, "position": t.position}
+
+    def restore(self):
+        """After a lost worker: back to the last commit; the interrupted step's gradients dropped."""
+        t = self.training
+        self.last_reset = ("a worker was lost", t.step - self.saved["step"], t.world.size)
+        t.model.load_state_dict(self.saved["model"])
+        t.optimizer.load_state_dict(self.saved["optimizer"])
+        if self.saved["scaler"]:
+            t.scaler.load_state_dict(self.saved["scaler"])
+        t.step, t.position = self.saved["step"], self.saved["position"]
+
+    def sync(self):
+        """Rank 0's committed state on every worker, the new ones included."""
+        t = self.training
+        has_optimizer_state = hvd.broadcast_object(len(t.optimizer.state) > 0, root_rank=0, name="elastic.has_state")
+        distributed.broadcast_state(t.model, t.optimizer, resumed=has_optimizer_state)
+        progress = hvd.broadcast_object((t.step, t.position, t.scaler.state_dict()), root_rank=0,
+                                        name="elastic.progress")
+        t.step, t.position = progress[0], progress[1]
+        if progress[2] and t.scaler.is_enabled():
+            t.scaler.load_state_dict(progress[2])
+        self.save()
+
+
+def check_elastic_config(cfg: Config):
+    if cfg.train.global_batch_size is None:
+        raise UserError("config key 'train.global_batch_size': an elastic job needs a fixed global batch "
+                        "(the accumulation absorbs a change of the number of workers), got null")
+    if cfg.parallel.pipeline_stages > 1:
+        raise UserError("config key 'parallel.pipeline_stages': elastic jobs do not support pipeline stages "
+                        f"(got {cfg.parallel.pipeline_stages}); use 1, or a fixed number of workers")
+
+
+def local_resume_checkpoint(cfg: Config, started_as_rank_0: bool):
+    """The checkpoint to start from, found by every process on its own (no collective may run
+    outside the elastic function). Only the first rank 0 repairs what a crash left behind."""
+    if not cfg.checkpoint.resume:
+        return None
+    if started_as_rank_0:
+        checkpoint.recover_interrupted_writes(cfg.out_dir)
+        path = checkpoint.newest_intact_checkpoint(cfg.out_dir)
+    else:
+        path = next((p for p in reversed(checkpoint.list_checkpoints(cfg.out_dir)) if checkpoint.problem(p) is None),
+                    None)
+    if path is not None:
+        problem = resume_problem(checkpoint.read_state(path)["config"], cfg, path)
+        if problem:
+            raise UserError(problem)
+    return path
+
+
+def train_elastic(cfg: Config) -> torch.nn.Module:
+    """`train` for an elastic job: set-up without collectives, then the loop under hvd.elastic.run."""
+    check_elastic_config(cfg)
+    check_writable_folder(cfg.out_dir, "out_dir")
+    world = distributed.init(cfg)
+    device = world.device
+    grad_accum, _ = resolve_batch(cfg, world.size)
+    data = build_data(cfg, cfg.train.seed)  # each process for itself: the cache's writes are atomic
+    model, optimizer, scaler, aliases, peak_lr, _ = build_model_and_optimizer(cfg, data, device, grad_accum,
+                                                                               world.size)
+    state = TrainingState(model, optimizer, scaler, world, cfg, aliases=aliases)
+    resume_from = local_resume_checkpoint(cfg, world.is_main)
+    if resume_from is not None:  # every process reads it; the first sync makes rank 0's win anyway
+        state.load(resume_from)
+
+    @hvd.elastic.run
+    def run(elastic_state: ElasticState) -> torch.nn.Module:
+        # Everything that depends on the world, derived again on every (re)entry.
+        now = distributed.current_world(device)
+        state.world = now
+        grad_accum, global_batch = resolve_batch(cfg, now.size)
+        optimizer.set_backward_passes_per_step(grad_accum)  # also forgets half-counted backward passes
+        optimizer._handles.clear()  # allreduces of an interrupted step belong to the old world
+        distributed.zero_grad(optimizer)
+        rng.reseed_for_training(cfg.train.seed, now.rank, state.step)
+        check_data(cfg, now, now.size, global_batch, grad_accum)
+        events = []
+        reset = [r for r in hvd.allgather_object(elastic_state.last_reset, name="elastic.reset") if r]
+        if reset:  # known to the workers that lived through it
+            why, rolled_back, before = reset[0]
+            events.append({"step": state.step, "event": "reset", "reason": why, "old_world_size": before,
+                           "world_size": now.size, "steps_rolled_back": rolled_back})
+        elastic_state.last_reset = None
+        setup = Setup(now, data, model, optimizer, scaler, state, grad_accum, global_batch, peak_lr, now.rank,
+                      now.size, resumed_from=resume_from if state.step else None)
+
+        def commit():
+            size = now.size
+            try:
+                elastic_state.commit()
+            except HostsUpdatedInterrupt:
+                elastic_state.last_reset = ("the hosts changed", 0, size)
+                raise
+
+        return run_steps(cfg, setup, commit=commit, events=events)
+
+    return run(ElasticState(state))

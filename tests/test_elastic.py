@@ -1,0 +1,126 @@
+"""Elastic jobs with real horovodrun workers on one machine (Gloo): each worker has a host name
+of its own in the discovery output (`localhost` and `127.0.0.1`, as Horovod blacklists per host).
+A lost worker or an added one does not stop the run, and the losses and parameters equal a
+one-worker run with the same global batch (the last record of a redone step wins)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import (BIN, OFFLINE, REPO, WORKERS, assert_same_losses, assert_same_params, hvdtrain, load_params,
+                     read_metrics, run_cmd, step_losses, train_workers)
+from hvdtrain import checkpoint
+from hvdtrain.metrics import FILE_NAME, read_records
+
+pytestmark = pytest.mark.workers
+STEPS = 8
+ELASTIC = {"train": {"global_batch_size": 8, "max_steps": STEPS}, "elastic": {"commit_every": 2}}
+
+
+def discovery(tmp_path, hosts: list[str]):
+    """A discovery script printing the lines of hosts.txt, which a test may change."""
+    (tmp_path / "hosts.txt").write_text("".join(f"{h}\n" for h in hosts))
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts.txt'}\n")
+    script.chmod(0o755)
+    return script
+
+
+def elastic_run(np: int, tmp_path, config, out, env: dict, *overrides, min_np=1, max_np=2):
+    cmd = [BIN / "horovodrun", "-np", np, "--min-np", min_np, "--max-np", max_np, "--host-discovery-script",
+           discovery(tmp_path, ["localhost:1", "127.0.0.1:1"][:np]), "--network-interface", "lo",
+           sys.executable, WORKERS / "elastic_worker.py", config, f"out_dir={out}", *overrides]
+    proc = run_cmd(cmd, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def events(out) -> list[dict]:
+    return [r for r in read_records(out / FILE_NAME) if "event" in r]
+
+
+@pytest.fixture(scope="module")
+def one_worker(tmp_path_factory):
+    from helpers import write_config
+    folder = tmp_path_factory.mktemp("one")
+    config = write_config(folder / "config.yaml", ELASTIC)
+    train_workers(1, config, f"out_dir={folder / 'run'}")
+    return config, folder / "run"
+
+
+@pytest.mark.parametrize("lost", ["127.0.0.1", "localhost"])  # one of the two is rank 0
+def test_a_lost_worker_leaves_one_that_finishes_like_a_single_worker(tmp_path, one_worker, lost):
+    config, reference = one_worker
+    out = tmp_path / "run"
+    elastic_run(2, tmp_path, config, out, {"HVDTRAIN_TEST_KILL": f"{lost}:5"})
+    assert_same_losses(step_losses(reference), step_losses(out), min_steps=STEPS)
+    assert_same_params(load_params(reference, 0), load_params(out, 0), atol=1e-5)
+    [reset] = events(out)
+    assert reset["event"] == "reset" and reset["old_world_size"] == 2 and reset["world_size"] == 1
+    assert reset["step"] == 4 and reset["steps_rolled_back"] >= 0  # back to the commit of step 4
+    assert [r["world_size"] for r in read_metrics(out)[0]] == [2] * 4 + [1] * 4
+    assert checkpoint.newest_intact_checkpoint(out).name == f"step_{STEPS:08d}"  # written by the new rank 0
+
+
+def test_an_added_host_joins_and_the_run_equals_a_single_worker(tmp_path, one_worker):
+    config, reference = one_worker
+    out = tmp_path / "run"
+    # Slow steps, so that the run is still going when the new worker has started.
+    elastic_run(1, tmp_path, config, out, {"HVDTRAIN_TEST_ADD_HOST": f"1:{tmp_path / 'hosts.txt'}:127.0.0.1:1"},
+                "train.max_steps=12", "train.slow_ranks=[0]", "train.slow_seconds=0.4")
+    losses = step_losses(out)
+    assert sorted(losses) == list(range(1, 13))
+    sizes = [r["world_size"] for r in read_metrics(out)[0]]
+    assert sizes[0] == 1 and sizes[-1] == 2
+    [reset] = events(out)
+    assert reset["reason"] == "the hosts changed" and (reset["old_world_size"], reset["world_size"]) == (1, 2)
+    straight = tmp_path / "straight"
+    train_workers(1, config, f"out_dir={straight}", "train.max_steps=12")
+    assert_same_losses(step_losses(straight), losses, min_steps=12)
+    assert_same_params(load_params(straight, 0), load_params(out, 0), atol=1e-5)
+
+
+def test_below_min_np_too_long_stops_clearly_and_the_checkpoint_resumes(tmp_path, tiny_config):
+    """`hvdtrain launch --elastic` with --min-np 2: one worker is SIGKILLed from outside; after
+    --elastic-timeout the job stops with a clear line, and the same command resumes."""
+    config = tiny_config({**ELASTIC, "train": {**ELASTIC["train"], "max_steps": 40, "slow_ranks": [0, 1],
+                                               "slow_seconds": 0.2}, "checkpoint": {"every": 2}})
+    out = tmp_path / "run"
+    cmd = [BIN / "hvdtrain", "launch", "-np", "2", "--elastic", "--min-np", "2", "--max-np", "2",
+           "--host-discovery-script", discovery(tmp_path, ["localhost:1", "127.0.0.1:1"]), "--elastic-timeout", "5",
+           "--network-interface", "lo", config, f"out_dir={out}"]
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO, env=dict(os.environ, **OFFLINE))
+    deadline = time.time() + 120
+    while time.time() < deadline and not checkpoint.list_checkpoints(out):
+        time.sleep(0.5)
+    assert checkpoint.list_checkpoints(out), "no checkpoint within 2 minutes"
+    kill_worker_on_host(out, "127.0.0.1")
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "fewer than --min-np 2 workers for longer than --elastic-timeout (5 s)" in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr
+    newest = checkpoint.newest_intact_checkpoint(out)
+    assert newest is not None and checkpoint.problem(newest) is None
+    done = checkpoint.read_state(newest)["step"]
+    resumed = hvdtrain("launch", "-np", "1", config, f"out_dir={out}", "train.slow_ranks=[]", timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming at step {done}" in resumed.stdout
+    assert checkpoint.newest_intact_checkpoint(out).name == "step_00000040"
+
+
+def kill_worker_on_host(out_dir, host: str):
+    """SIGKILL the worker of this run that horovodrun started for `host` (HOROVOD_HOSTNAME)."""
+    for pid in os.listdir("/proc"):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().decode()
+            environ = open(f"/proc/{pid}/environ", "rb").read().decode().split("\0")
+        except (OSError, ValueError):
+            continue
+        if f"out_dir={out_dir}" in cmdline and "hvdtrain.cli\0train" in cmdline and f"HOROVOD_HOSTNAME={host}" in environ:
+            os.kill(int(pid), signal.SIGKILL)
+            return
+    raise AssertionError(f"no worker on {host} found")
