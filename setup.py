@@ -16,6 +16,7 @@ setup(
         "datasets>=3.0,<6",
         "tokenizers>=0.20,<1",
         "safetensors>=0.4",
+        "xxhash>=3",
         "pyyaml>=6",
         "tqdm>=4.66",
         "tensorboard>=2.15",
