@@ -54,6 +54,9 @@ class Group:
     barrier: Callable[[], None] = lambda: None
 
 
+ALONE = Group()
+
+
 @dataclass
 class Plan:
     corpus: Corpus
@@ -93,20 +96,16 @@ def available_cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def prepare(plan: Plan, group: Group = Group(), num_proc: int | None = None, progress: bool = True) -> dict:
+def prepare(plan: Plan, group: Group = ALONE, num_proc: int | None = None, progress: bool = True) -> dict:
     """Make `plan.folder` complete (this member's share of the pieces, then the index) and
     return its index; at once if it is complete already. Every member of `group` must call it."""
-    index = read_index(plan.folder)
-    if index is None:
-        start = time.perf_counter()
-        num_proc = num_proc or available_cores()
+    start, num_proc = time.perf_counter(), num_proc or available_cores()
+    complete = read_index(plan.folder) is not None
+    if not complete:
         pieces_read = _tokenize_share(plan, group, num_proc, progress)
-        group.barrier()  # every piece is done
-        if group.rank == 0:
-            index = _write_index(plan, pieces_read)
-            _log_done(index, plan.folder, time.perf_counter() - start, num_proc, group.size)
-    else:
-        group.barrier()
+    group.barrier()  # every member's pieces are done
+    if not complete and group.rank == 0:
+        _log_done(_write_index(plan, pieces_read), plan.folder, time.perf_counter() - start, num_proc, group.size)
     group.barrier()  # the index is written
     return read_index(plan.folder)
 
@@ -224,7 +223,7 @@ def _remove_pieces_after(folder: Path, count: int):
 def _log_done(index: dict, folder: Path, seconds: float, num_proc: int, members: int):
     splits = index["splits"]
     tokens = sum(s["tokens"] for s in splits.values())
-    log.info("prepared %d + %d documents -> %d training and %d validation tokens in %.1fs (%.0f tokens/s, "
+    log.info("prepared %d training and %d validation documents (%d and %d tokens) in %.1fs (%.0f tokens/s, "
              "%d tokenizing processes x %d workers): %s", splits["train"]["documents"],
              splits["validation"]["documents"], splits["train"]["tokens"], splits["validation"]["tokens"], seconds,
              tokens / max(seconds, 1e-9), num_proc, members, folder)

@@ -163,7 +163,7 @@ def _local(cfg: DataConfig, cache_root: Path) -> Documents:
     files = _local_files(cfg.source)
     builder = BUILDERS[Path(files[0]).suffix]
     options = {"sample_by": "paragraph", "encoding_errors": "replace"} if builder == "text" else {}
-    stats = [(f, Path(f).stat().st_size, Path(f).stat().st_mtime_ns) for f in files]
+    stats = [(f, stat.st_size, stat.st_mtime_ns) for f in files for stat in [Path(f).stat()]]
 
     def rows():
         stream = datasets.load_dataset(builder, data_files=files, split="train", streaming=True,
@@ -206,8 +206,9 @@ def _local_files(source: str) -> list[str]:
 
 def _hub_split(cfg: DataConfig, split: str) -> Documents:
     """One split of a hub dataset. Streamed, it is read to its end (or to data.max_documents)
-    and keyed by the dataset's revision; downloaded, it is read from the Arrow cache and keyed
-    by `datasets`' fingerprint of it."""
+    and keyed by the dataset's revision. Downloaded, it is keyed by `datasets`' fingerprint of
+    its Arrow cache and read through that cache's memory map (the pages read count in the
+    process's RSS but are the kernel's page cache, dropped when memory is short)."""
     try:
         if cfg.streaming:
             builder = datasets.load_dataset_builder(cfg.source, cfg.hub_config)

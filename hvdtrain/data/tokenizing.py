@@ -10,6 +10,7 @@ fraction of a second and stay small.
 """
 import itertools
 import os
+import signal
 import subprocess
 import sys
 from multiprocessing.connection import Connection, Pipe, wait
@@ -134,6 +135,7 @@ def _sub_batches(docs: list[str]):
 
 def serve(inbox: Connection, outbox: Connection):
     """A tokenizing process: the tokenizer first, then pieces until None (or the caller is gone)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle: it stops us
     tokenizer_json, separator, dtype = inbox.recv()
     tokenizer = Tokenizer.from_str(tokenizer_json)
     tokenizer.no_truncation()
