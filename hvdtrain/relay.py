@@ -114,8 +114,10 @@ class Relay:
         causes = [m for m in self.messages if not m.is_echo]
         failed = self.first_failed_worker()
         if causes and causes[0].is_one_line:
-            self.err.write(causes[0].lines[0])
-            return 2 if causes[0].lines[0].startswith(USER_ERROR) else failed[1] if failed else returncode
+            line, rank = causes[0].lines[0], causes[0].rank
+            # With several hosts, say where: the data may be missing on one host only.
+            self.err.write(f"{line.rstrip()} ({self.worker(rank)})\n" if self.hosts_by_rank else line)
+            return 2 if line.startswith(USER_ERROR) else failed[1] if failed else returncode
         launcher = "".join(self.launcher_lines)
         elastic_failed, too_few = ELASTIC_FAILED.search(launcher), ELASTIC_TIMEOUT.search(launcher)
         if causes:
@@ -192,7 +194,8 @@ def horovodrun_error(lines: list[str]) -> str | None:
 
 
 def mpirun_boxes(lines: list[str]) -> str | None:
-    """mpirun's reports (each between dashed lines), except those only saying a worker failed."""
+    """mpirun's reports (each between dashed lines, made one line each), except those only saying
+    that a worker failed."""
     boxes, box = [], None
     for line in lines:
         if line.startswith("-----"):
@@ -201,5 +204,5 @@ def mpirun_boxes(lines: list[str]) -> str | None:
             box = [] if box is None else None
         elif box is not None:
             box.append(line)
-    wanted = ["".join(b).strip() for b in boxes if not any(echo in "".join(b) for echo in MPI_ECHO_BOXES)]
+    wanted = [" ".join("".join(b).split()) for b in boxes if not any(echo in "".join(b) for echo in MPI_ECHO_BOXES)]
     return "".join(f"hvdtrain: error: mpirun: {b}\n" for b in wanted if b) or None

@@ -109,6 +109,12 @@ def test_a_user_error_on_one_worker_wins_over_the_echo_on_the_others():
     assert relay(output, 1) == (2, "", line)
 
 
+def test_with_several_hosts_a_user_error_says_where_it_happened():
+    line = "hvdtrain: error: data.source: /data/corpus.txt does not exist\n"
+    output = tagged("[0]<stderr>:", ECHO) + f"[1]<stderr>:{line}"
+    assert relay(output, 1, hosts=["node1", "node2"]) == (2, "", line.rstrip() + " (worker 1 on host node2)\n")
+
+
 @pytest.mark.parametrize("output,code", [
     ("[1]<stderr>:Killed\n[0]<stderr>:[2026-11-30 20:06:14.179190: E horovod/common/operations.cc:697] [0]: Horovod "
      "background loop uncaught exception: [gloo/transport/tcp/pair.cc:598] Connection closed by peer\n"
@@ -133,6 +139,16 @@ def test_a_worker_whose_program_is_missing_on_its_host_names_the_host():
     assert code == 127
     assert err.endswith("hvdtrain: error: worker 1 on host 127.0.0.2 exited with status 127: "
                         "env: '/work/main/.venv/bin/python': No such file or directory\n")
+
+
+def test_a_worker_whose_program_mpirun_cannot_start_is_one_line_naming_the_host():
+    output = ("-" * 74 + "\nmpirun was unable to launch the specified application as it could not access\n"
+              "or execute an executable:\n\nExecutable: /work/main/.venv/bin/python\nNode: 127.0.0.2\n\n"
+              "while attempting to start process rank 1.\n" + "-" * 74 + "\n")
+    assert relay(output, 132) == (132, "", "hvdtrain: error: mpirun: mpirun was unable to launch the specified "
+                                           "application as it could not access or execute an executable: Executable: "
+                                           "/work/main/.venv/bin/python Node: 127.0.0.2 while attempting to start "
+                                           "process rank 1.\n")
 
 
 @pytest.mark.parametrize("output,expected", [
