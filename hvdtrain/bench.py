@@ -639,3 +639,7 @@ def add_cli(sub):
     p.add_argument("--warmup", type=int, required=True)
     p.add_argument("--repeats", type=int, required=True)
     p.set_defaults(func=run_allreduce_worker)
+
+    # `bench pipeline` lives in its own module (imported here: it imports this one).
+    from hvdtrain import bench_pipeline
+    bench_pipeline.add_cli(kinds)

@@ -72,6 +72,45 @@ def count_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: i
     return embeddings + n_layer * layer + head + untied_output
 
 
+def stage_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: int, max_position: int,
+                 bounds: list[int], head_fraction: float = 1.0) -> list[dict]:
+    """Parameters of each pipeline stage of a model with tied embeddings (hvdtrain's models),
+    split at the layer `bounds` of hvdtrain.pipeline_split.stage_bounds: stage i owns layers
+    bounds[i] .. bounds[i+1]-1, the first stage also the embeddings, the last one the head.
+
+    For each stage, "layers" (how many), "params" (as its StageModule counts them) and
+    "flops_params" (its share of flops_params' N). With more than one stage the last stage holds
+    its own copy of the tied embedding/output matrix (hvdtrain.pipeline keeps the copies equal),
+    so the stages hold V·d more parameters than the model; with one stage both counts are those
+    of count_params and flops_params. The head (GPT-2's ln_f and lm_head; BERT's MLM transform,
+    decoder and bias) counts with `head_fraction` in flops_params, as there."""
+    d, f, v = d_model, d_ff, vocab_size
+    layer = (4 * d * d + 4 * d) + (2 * d * f + f + d) + 2 * (2 * d)
+    if arch == "gpt2":
+        embeddings, embeddings_flops = v * d + max_position * d, 0  # wte, wpe: lookups
+        head_own = 2 * d  # ln_f; lm_head is the tied matrix
+    elif arch == "bert":
+        # word, position, token-type embeddings (lookups) and their LayerNorm (in flops_params' N)
+        embeddings, embeddings_flops = v * d + max_position * d + BERT_TOKEN_TYPES * d + 2 * d, 2 * d
+        head_own = (d * d + d) + 2 * d + v  # MLM transform, its LayerNorm, the decoder's bias
+    else:
+        raise ValueError(f"unknown arch {arch!r}")
+    n = len(bounds) - 1
+    stages = []
+    for i in range(n):
+        layers = bounds[i + 1] - bounds[i]
+        params, flops_n = layers * layer, float(layers * layer)
+        if i == 0:
+            params += embeddings
+            flops_n += embeddings_flops
+        if i == n - 1:
+            # the output matrix: the embedding itself on a single stage, else the last stage's copy
+            params += head_own + (v * d if n > 1 else 0)
+            flops_n += head_fraction * (head_own + v * d)
+        stages.append({"layers": layers, "params": params, "flops_params": flops_n})
+    return stages
+
+
 def head_fraction(cfg) -> float:
     """Share of positions whose hidden state goes through the output head (the vocabulary
     projection): all of them for GPT-2; for BERT only the masked ones, data.mlm_probability on

@@ -41,17 +41,15 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 
 from hvdtrain.errors import UserError
 from hvdtrain.models import IGNORE_INDEX
+# The torch-free arithmetic (split, schedule checks, ideal bubble) lives in pipeline_split, for
+# `hvdtrain plan`; its names are part of this module's API too.
+from hvdtrain.pipeline_split import (INTERLEAVED, SCHEDULES, _even_bounds, check_schedule,  # noqa: F401
+                                     ideal_bubble, stage_bounds)
 
 try:  # as in distributed.py; the layout, the split and the checks work without Horovod
     import horovod.torch as hvd
 except ImportError:  # pragma: no cover
     hvd = None
-
-# torch's schedules (get_schedule_class names, any case) whose backward runs through autograd, so
-# that Horovod's gradient hooks fire while it runs. Zero-bubble schedules compute weight gradients
-# by hand and are left out. Only the interleaved one runs several stages per rank.
-SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
-INTERLEAVED = ("interleaved1f1b",)
 
 
 # ---------------------------------------------------------------- layout
@@ -166,47 +164,6 @@ def _rendezvous_store() -> dist.TCPStore:
         return store
     host, port = hvd.broadcast_object(None, root_rank=0, name="pipeline.store")
     return dist.TCPStore(host, port, world_size, is_master=False)
-
-
-# ---------------------------------------------------------------- which layers go where
-
-def stage_bounds(n_layer: int, stages: int, stages_per_rank: int = 1,
-                 boundaries: list[int] | None = None) -> list[int]:
-    """Layer boundaries b of the stages * stages_per_rank pipeline stages: stage i owns the
-    transformer layers b[i] .. b[i+1]-1, so b[0] = 0 and b[-1] = n_layer.
-
-    The default split is even once the embedding (first stage) and the head (last stage) are
-    each counted as one layer, as torchtitan weighs them: 4 layers on 2 stages give [0, 2, 4],
-    6 layers on 4 stages [0, 1, 3, 5, 6]. `boundaries` (parallel.layer_boundaries) chooses the
-    split by hand, in the same form; the first and the last stage may own no layer (embedding
-    or head only), every other stage needs one."""
-    n = stages * stages_per_rank
-    if n > n_layer:
-        raise UserError(f"parallel.pipeline_stages={stages} x parallel.stages_per_rank={stages_per_rank} = {n} "
-                        f"pipeline stages is more than the model's {n_layer} layers (model.n_layer)")
-    if boundaries is None:
-        return _even_bounds(n_layer, n)
-    b = list(boundaries)
-    if len(b) != n + 1 or b[0] != 0 or b[-1] != n_layer or any(x > y for x, y in zip(b, b[1:])):
-        raise UserError(f"parallel.layer_boundaries={b} must be {n + 1} rising layer indices from 0 to "
-                        f"{n_layer} (stage i owns layers b[i] .. b[i+1]-1)")
-    empty = [i for i in range(1, n - 1) if b[i] == b[i + 1]]
-    if empty:
-        raise UserError(f"parallel.layer_boundaries={b} gives stage {empty[0]} no layer")
-    return b
-
-
-def _even_bounds(n_layer: int, n: int) -> list[int]:
-    if n == 1:
-        return [0, n_layer]
-    units, extra = divmod(n_layer + 2, n)  # + embedding + head
-    sizes = [units + (i < extra) for i in range(n)]
-    sizes[0] -= 1   # the embedding takes one unit of the first stage
-    sizes[-1] -= 1  # the head one of the last
-    bounds = [0]
-    for size in sizes:
-        bounds.append(bounds[-1] + size)
-    return bounds
 
 
 # ---------------------------------------------------------------- one rank's part of the model
@@ -358,25 +315,6 @@ def tied_parameters(stage: StageModule) -> dict[str, nn.Parameter]:
 
 # ---------------------------------------------------------------- schedule
 
-def check_schedule(name: str, stages: int, stages_per_rank: int, microbatches: int):
-    """The schedule's needs, without a process group: config checks can call it before launch."""
-    if name.lower() not in SCHEDULES:
-        raise UserError(f"parallel.schedule '{name}' is not one of {', '.join(SCHEDULES)}")
-    interleaved = name.lower() in INTERLEAVED
-    if interleaved and (stages < 2 or stages_per_rank < 2):
-        raise UserError(f"parallel.schedule '{name}' needs parallel.pipeline_stages >= 2 and "
-                        f"parallel.stages_per_rank >= 2 (got {stages} and {stages_per_rank})")
-    if not interleaved and stages_per_rank != 1:
-        raise UserError(f"parallel.schedule '{name}' runs one stage per rank; set parallel.stages_per_rank=1 "
-                        f"or use interleaved1f1b")
-    if microbatches < stages:
-        raise UserError(f"parallel.microbatches={microbatches} must be at least parallel.pipeline_stages={stages}")
-    rounds = max(1, microbatches // stages)
-    if interleaved and microbatches % rounds:
-        raise UserError(f"parallel.microbatches={microbatches} must be a multiple of {rounds} for '{name}' "
-                        f"with {stages} pipeline stages (torch's rounds of micro batches)")
-
-
 class TokenLoss:
     """The schedule's loss of one micro batch: `scale` x the sum of its token cross-entropies
     (labels == -100 ignored). The schedule does not average over micro batches
@@ -399,11 +337,6 @@ class Pipeline:
     layout: Layout
     loss: TokenLoss
     n_microbatches: int
-
-
-def ideal_bubble(stages: int, microbatches: int) -> float:
-    """The share of a GPipe/1F1B run each stage spends idle: (p-1)/(m+p-1)."""
-    return (stages - 1) / (microbatches + stages - 1)
 
 
 def build_schedule(stage: StageModule, layout: Layout, groups: Groups, name: str, n_microbatches: int,

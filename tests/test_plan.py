@@ -9,8 +9,9 @@ import pytest
 from hvdtrain import plan as planmod
 from hvdtrain.config import config_from_dict
 from hvdtrain.errors import UserError
-from hvdtrain.plan import (activation_bytes, exposed_comm_seconds, layer_activation_bytes, logits_bytes,
-                           memory_bytes, plan, read_step_time, ring_allreduce_seconds)
+from hvdtrain.plan import (activation_bytes, exposed_comm_seconds, in_flight, layer_activation_bytes, logits_bytes,
+                           memory_bytes, pipeline_plan, plan, read_step_time, ring_allreduce_seconds, stage_memory,
+                           with_stages)
 
 GIB = 2 ** 30
 N_124M = 124_439_808
@@ -91,17 +92,29 @@ def test_plan_memory_total_and_fit():
 
 
 def test_too_big_suggests_pipeline_stages():
-    # 2 GiB GPU: budget 1.8 GiB, of which the fixed 1.125 GiB leaves 0.675 GiB per stage.
-    # Micro batch 1 with checkpointing needs, beyond the fixed part:
-    #   16·N 1,991,036,928 + bf16 copies 247,306,752
-    #   + activations 12·4·786,432 + 40·786,432 = 69,206,016 + logits 1024·50257·14 = 720,484,352
-    #   = 3,028,034,048 -> / 724,775,731.2 = 4.18 -> 5 stages
-    p = plan(gpt2_124m(precision="bf16"), gpus=1, gpu="tiny", gpu_memory_gib=2)
+    # 3 GiB GPU: budget 2.7 GiB, of which the fixed 1.125 GiB leaves 1,691,143,372.8 B per stage.
+    # The fewest stages at micro batch 1, checkpointing, 1f1b with m = p micro batches: the last
+    # stage is the largest (the head's copy of wte and the logits), per stage_memory:
+    #   state: 18 B per layer parameter (16 + the bf16 copy): 7,087,872 x 18 = 127,581,696 per layer;
+    #          ln_f + lm_head copy 38,598,912 x 18 = 694,780,416
+    #   activations (1 in flight): the layer inputs but the first (the receive buffer) 4·sbh each,
+    #          + one layer's 40·sbh = 31,457,280 (sbh = 786,432)
+    #   receive buffers: m x 4·sbh = m x 3,145,728; logits 1024·50257·14 = 720,484,352
+    # p = 4, layers 10-11: 949,943,808 + 34,603,008 + 12,582,912 + 720,484,352 = 1,717,614,080: too big
+    # p = 5, layer 11:     822,362,112 + 31,457,280 + 15,728,640 + 720,484,352 = 1,590,032,384: fits
+    p = plan(gpt2_124m(precision="bf16"), gpus=1, gpu="tiny", gpu_memory_gib=3)
     mem = p["memory"]
     assert mem["smallest_total"] == 3_028_034_048 + FIXED
     assert not mem["fits"]
     assert mem["pipeline_stages"] == 5
-    assert "at least 5 pipeline stages" in planmod.format_plan(p)
+    assert "at least 5 pipeline stages (parallel.pipeline_stages; `--pp 5` plans them)" in planmod.format_plan(p)
+    cfg = with_stages(gpt2_124m(precision="bf16"), 4)
+    assert stage_memory(cfg, 4, 1, True)[-1]["total"] == 1_717_614_080 + FIXED
+    assert stage_memory(with_stages(cfg, 5), 5, 1, True)[-1]["total"] == 1_590_032_384 + FIXED
+    # 2 GiB (0.675 GiB per stage): the head's copy and the logits alone do not fit on a last stage
+    p = plan(gpt2_124m(precision="bf16"), gpus=1, gpu="tiny", gpu_memory_gib=2)
+    assert p["memory"]["pipeline_stages"] is None
+    assert "with one layer per pipeline stage the largest stage still does not fit" in planmod.format_plan(p)
 
 
 # ---------------------------------------------------------------- communication
@@ -330,3 +343,196 @@ def test_layer_formula_matches_saved_tensors_of_hf_models(arch):
     cpu_masks = 3 * (2 * s * b * h + a * s * s * b)
     layernorm_stats = 2 * 2 * 4 * b * s
     assert per_layer == layer_activation_bytes(s, b, h, a, 4, sdpa=False) + cpu_masks + layernorm_stats
+
+
+# ---------------------------------------------------------------- pipeline stages (--pp)
+
+def small_gpt(**sections):
+    """4 layers of d 64 (12·64² + 13·64 = 49,984 parameters each), 32 positions, 256 tokens,
+    bf16, micro batch 2, 2 stages of 2 layers ([0, 2, 4]), 1f1b, no fusion buffer: the numbers
+    below are worked out by hand from these."""
+    tree = {"model": {"arch": "gpt2", "n_layer": 4, "n_head": 4, "d_model": 64},
+            "data": {"seq_len": 32, "vocab_size": 256},
+            "train": {"micro_batch_size": 2, "global_batch_size": 16, "precision": "bf16"},
+            "horovod": {"fusion_threshold_mb": 0},
+            "parallel": {"pipeline_stages": 2}}
+    for name, values in sections.items():
+        tree[name] = {**tree.get(name, {}), **values}
+    return config_from_dict(tree)
+
+
+# stage 0: 2 layers 99,968 + wte 16,384 + wpe 2,048 = 118,400 parameters, 99,968 in matmuls
+# stage 1: 2 layers 99,968 + ln_f 128 + its copy of wte 16,384 = 116,480, all in matmuls
+# sbh = 32·2·64 = 4,096; one layer (bf16, SDPA) 40·sbh = 163,840; a boundary tensor 4·sbh = 16,384
+STATE_0 = 16 * 118_400 + 2 * 99_968   # 2,094,336
+STATE_1 = 16 * 116_480 + 2 * 116_480  # 2,096,640
+BUFFERS = 4 * 16_384                  # m = 4 micro batches: gradients in (stage 0), activations in (stage 1)
+LOGITS = 2 * 32 * 256 * 14            # 229,376
+
+
+def test_stage_memory_1f1b_by_hand():
+    ranks = stage_memory(small_gpt(), 4, 2, checkpointing=False)
+    assert [r["params"] for r in ranks] == [118_400, 116_480]
+    # in flight: min(m, p - rank): 2 on the first stage, 1 on the last
+    assert [r["in_flight"] for r in ranks] == [2, 1]
+    # stage 0 per micro batch: 2 layers + its output kept for backward = 327,680 + 16,384
+    assert ranks[0]["parts"]["activations"] == 2 * (2 * 163_840 + 16_384) == 688_128
+    # stage 1: 2 layers, the first one's input being the receive buffer
+    assert ranks[1]["parts"]["activations"] == 2 * 163_840 - 16_384 == 311_296
+    assert [r["parts"]["pipeline receive buffers"] for r in ranks] == [BUFFERS, BUFFERS]
+    assert "logits and loss" not in ranks[0]["parts"] and ranks[1]["parts"]["logits and loss"] == LOGITS
+    assert ranks[0]["total"] == STATE_0 + 688_128 + BUFFERS + GIB == 2_848_000 + GIB
+    assert ranks[1]["total"] == STATE_1 + 311_296 + BUFFERS + LOGITS + GIB == 2_702_848 + GIB
+
+
+def test_stage_memory_gpipe_and_checkpointing_by_hand():
+    ranks = stage_memory(small_gpt(parallel={"schedule": "gpipe"}), 4, 2, checkpointing=False)
+    # all 4 micro batches in flight; the last stage keeps each waiting loss's fp32 log-softmax
+    assert [r["in_flight"] for r in ranks] == [4, 4]
+    assert [r["parts"]["activations"] for r in ranks] == [4 * 344_064, 4 * 311_296]
+    assert ranks[1]["parts"]["logits and loss"] == LOGITS + 3 * 2 * 32 * 256 * 4 == 425_984
+    ranks = stage_memory(small_gpt(), 4, 2, checkpointing=True)
+    # checkpointing: 4·sbh per layer input, plus one layer's activations during its recompute
+    assert ranks[0]["parts"]["activations"] == 2 * (2 * 16_384 + 16_384) + 163_840 == 262_144
+    assert ranks[1]["parts"]["activations"] == (2 * 16_384 - 16_384) + 163_840 == 180_224
+
+
+@pytest.mark.parametrize("sections", [
+    {}, {"model": {"activation_checkpointing": True}}, {"train": {"precision": "fp32"}},
+    {"horovod": {"compression": "fp16", "fusion_threshold_mb": 64}},
+    {"model": {"arch": "bert"}}, {"model": {"arch": "bert", "activation_checkpointing": True}}])
+def test_one_stage_is_the_whole_model(sections):
+    cfg = small_gpt(**sections)
+    flat = with_stages(cfg, 1)
+    ckpt = cfg.model.activation_checkpointing
+    (rank,) = stage_memory(flat, 1, 2, ckpt)
+    assert rank["parts"] == memory_bytes(cfg, 2, ckpt)["parts"]
+    assert rank["flops_per_token"] == pytest.approx(planmod.model_flops_per_token(cfg))
+
+
+def test_in_flight_per_schedule():
+    assert [in_flight("1f1b", 4, 1, 8, r) for r in range(4)] == [4, 3, 2, 1]
+    assert [in_flight("gpipe", 4, 1, 8, r) for r in range(4)] == [8] * 4
+    # torch's interleaved warm-up: (v-1)·(m/rounds) + 2·(p-1-rank), then one more forward;
+    # p=2, v=2, m=4: 2 rounds of 2 -> 2 + 2 + 1 = 5 chunks on rank 0, 2 + 0 + 1 = 3 on rank 1
+    assert [in_flight("interleaved1f1b", 2, 2, 4, r) for r in range(2)] == [5, 3]
+    assert in_flight("1f1b", 1, 1, 8, 0) == 1  # no pipeline: one micro batch at a time
+
+
+def test_pipeline_step_time_by_hand():
+    # 4 GPUs = 2 stages x 2 copies; global batch 16 = micro 2 x 4 micro batches x 2 copies: one run, m = 4.
+    # FLOPs per token: stage 0 6·99,968 + 12·2·64·32 = 648,960; stage 1 6·116,480 + 49,152 = 748,032.
+    # At 1 TFLOP/s the slower stage takes 748,032 x 64 tokens x 1e-12 s per micro batch, and a run
+    # m + p - 1 = 5 of those slots.
+    row = pipeline_plan(small_gpt(), 2, 4, 70 * GIB, net_gbps=100, latency_s=5e-6, spf=1e-12, peak=None)
+    slot = 748_032 * 64 * 1e-12
+    assert (row["copies"], row["microbatches"], row["runs"]) == (2, 4, 1)
+    assert row["bubble"] == pytest.approx(1 / 5)
+    assert row["slot_s"] == pytest.approx(slot) and row["compute_s"] == pytest.approx(5 * slot)
+    # Stage 0's fp32 gradients, 473,600 B, ring over 2 copies, 28 allreduces (fusion off:
+    # 12 tensors x 2 layers + 4), all exposed ("after" is the GPU default)
+    comm = 473_600 / 12.5e9 + 28 * 2 * 5e-6
+    assert row["reduce"] == "after" and row["exposed_s"] == pytest.approx(comm)
+    # the tied embedding's fp32 gradient (256·64·4 B) summed between the two ends
+    tied = 65_536 / 12.5e9 + 2 * 5e-6
+    assert row["step_s"] == pytest.approx(5 * slot + comm + tied)
+    assert row["tokens_per_s"] == pytest.approx(16 * 32 / row["step_s"])
+    # reduced during the backward: the last micro batch's 2/3 backward hides part of it
+    row = pipeline_plan(small_gpt(parallel={"reduce_gradients": "during"}), 2, 4, 70 * GIB, 100, 5e-6, 1e-12, None)
+    assert row["exposed_s"] == pytest.approx(max(comm - 2 / 3 * slot, 0.0))
+
+
+def test_pipeline_step_time_from_mfu_and_from_a_measured_step():
+    cfg = small_gpt(model={"activation_checkpointing": True})
+    spf, source = planmod.seconds_per_flop(cfg, 989.0, 0.5, None)
+    assert spf == pytest.approx(4 / 3 / (989e12 * 0.5)) and "at 50% of 989 TFLOP/s" in source and "recompute" in source
+    # measured: one worker, micro 2 x accum 8 (global 16) in 0.1 s: 512 tokens x model FLOPs per token
+    spf, _ = planmod.seconds_per_flop(cfg, 989.0, 0.5, 0.1)
+    assert spf == pytest.approx(0.1 / (16 * 32 * planmod.model_flops_per_token(cfg)))
+
+
+def _pp_plan(gpu_memory_gib, **sections):
+    return plan(small_gpt(**sections), gpus=4, gpu="x", gpu_memory_gib=gpu_memory_gib, pp=2)
+
+
+def test_plan_with_pp_report():
+    p = plan(small_gpt(), gpus=4, gpu="H100", pp=2, step_time=0.1)
+    pipe = p["pipeline"]
+    assert pipe["chosen"]["fits"] and pipe["chosen"]["largest"] == 2_848_000 + GIB
+    assert [r["stages"] for r in pipe["rows"]] == [1, 2, 4]
+    assert pipe["rows"][2]["copies"] == 1  # 4 stages of one layer each, 16 micro batches per run
+    text = planmod.format_plan(p)
+    assert "Pipeline: 2 stages x 2 data-parallel copies on 4 GPUs, 1f1b, micro batch 2 x 4 micro batches" in text
+    assert "ideal bubble (p-1)/(m+p-1) = 1/(4+1) = 20.0%" in text
+    assert "0-1 +emb" in text and "2-3 +head" in text
+    assert "Global batch 16 on 4 GPUs in 2 pipeline stages:" in text
+    # the configured stages count is the default of --pp
+    assert plan(small_gpt(), gpus=4, gpu="H100")["pipeline"]["stages"] == 2
+    assert plan(small_gpt(parallel={"pipeline_stages": 1}), gpus=4, gpu="H100")["pipeline"] is None
+
+
+def test_pp_target_picks_the_largest_micro_batch_that_fits():
+    # global 64 on 2 copies: 32 samples per copy; 1f1b needs m >= 2 micro batches, so micro <= 16.
+    p = plan(small_gpt(), gpus=4, gpu="H100", pp=2, target_global_batch=64)
+    t = p["target"]
+    assert (t["micro_batch"], t["microbatches"], t["checkpointing"]) == (16, 2, False)
+    p = plan(small_gpt(), gpus=4, gpu="H100", pp=2, target_global_batch=3)
+    assert "not a multiple of 2 data-parallel copies" in p["target"]["error"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(gpus=4, pp=0), "--pp: expected an integer >= 1"),
+    (dict(gpus=4, pp=3), "--pp: 3 pipeline stages do not divide --gpus 4"),
+    (dict(gpus=8, pp=8), "--pp: 8 pipeline stages is more than the model's 4 layers"),
+    (dict(gpus=4, pp=2, model_flops_utilisation=0), "--mfu"),
+])
+def test_pp_rejects_bad_input(kwargs, message):
+    with pytest.raises(UserError, match=message):
+        plan(small_gpt(), **kwargs)
+
+
+def test_pp_names_the_config_key_when_the_batch_does_not_split():
+    # global 16 on 4 GPUs in 4 stages = 1 copy: 8 micro batches of 2 per run; 2 stages of 2 copies: 4.
+    # micro batch 8: 16 / (8 x 2 copies) = 1 micro batch, fewer than the 2 stages
+    with pytest.raises(UserError, match=r"^2 pipeline stages on 4 GPUs: parallel.microbatches=1 must be at least "
+                                        r"parallel.pipeline_stages=2"):
+        plan(small_gpt(train={"micro_batch_size": 8}), gpus=4, pp=2)
+    with pytest.raises(UserError, match=r"^2 pipeline stages on 4 GPUs: config key 'train.global_batch_size'"):
+        plan(small_gpt(train={"micro_batch_size": 3}), gpus=4, pp=2)
+    # stages from the config, not --pp: the key is named
+    with pytest.raises(UserError, match=r"^config key 'parallel.pipeline_stages': 2 pipeline stages do not divide "
+                                        r"--gpus 3"):
+        plan(small_gpt(), gpus=3)
+
+
+def test_cli_pp(tmp_path, capsys):
+    config = tmp_path / "gpt.yaml"
+    config.write_text("model: {arch: gpt2, n_layer: 4, n_head: 4, d_model: 64}\n"
+                      "data: {seq_len: 32, vocab_size: 256}\n"
+                      "train: {micro_batch_size: 2, global_batch_size: 16, precision: bf16}\n")
+    assert _cli(["plan", str(config), "--gpus", "4", "--pp", "2", "--mfu", "0.3"]) == 0
+    out = capsys.readouterr().out
+    assert "Pipeline: 2 stages x 2 data-parallel copies" in out and "at 30% of 989 TFLOP/s, --mfu" in out
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+def test_stage_params_match_the_real_split(arch):
+    """flops.stage_params against the parameters of hvdtrain.pipeline's real stages, for 2
+    stages and for 2 ranks of 2 interleaved stages each."""
+    pytest.importorskip("torch")
+    from hvdtrain import pipeline
+    from hvdtrain.config import ModelConfig
+    from hvdtrain.flops import stage_params
+    from hvdtrain.models import Vocab, build_model
+    import torch
+
+    model_cfg = ModelConfig(arch=arch, n_layer=5, n_head=2, d_model=32)
+    vocab = Vocab(size=128, pad_id=0)  # a multiple of 64: the model's rows are the vocabulary
+    for stages, per_rank in ((2, 1), (2, 2)):
+        bounds = pipeline.stage_bounds(5, stages, per_rank)
+        counts = stage_params(arch, 5, 32, 128, 128, 16, bounds)
+        for rank in range(stages):
+            torch.manual_seed(0)
+            layout = pipeline.Layout(stages=stages, dp=1, stage=rank, dp_rank=0, stages_per_rank=per_rank)
+            stage = pipeline.split_model(build_model(model_cfg, vocab, 16), layout, bounds)
+            assert sum(p.numel() for p in stage.parameters()) == sum(counts[g]["params"] for g in layout.stage_ids)

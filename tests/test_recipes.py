@@ -49,6 +49,30 @@ def test_tiny_recipe_trains_exports_and_runs(tmp_path, recipe, kind, steps):
         assert len(proc.stdout.strip().splitlines()) == 5
 
 
+def test_tiny_pipeline_recipe_trains_in_two_stages(tmp_path):
+    """recipes/gpt-tiny-pipeline.yaml on 2 workers: one pipeline of 2 stages, end to end."""
+    out = tmp_path / "run"
+    proc = hvdtrain("launch", "-np", "2", REPO / "recipes" / "gpt-tiny-pipeline.yaml", f"out_dir={out}",
+                    "train.max_steps=40", "train.warmup_steps=10", "checkpoint.every=20", "eval.every=20",
+                    "log.progress=false", f"data.cache_dir={tmp_path / 'cache'}", timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "on stage 0 of 2 (1f1b, 4 micro batches per run, ideal bubble 20%" in proc.stdout
+    train, evals = read_metrics(out)
+    assert train[-1]["step"] == 40 and train[-1]["global_batch"] == 32
+    assert all(r["time_pipeline"] > 0 and r["time_forward"] == 0 for r in train)
+    evals = {e["step"]: e["eval_loss"] for e in evals}
+    assert sorted(evals) == [0, 20, 40]
+    print(f"gpt-tiny-pipeline: eval loss {evals[0]:.3f} -> {evals[40]:.3f}")
+    assert evals[40] < evals[0] - 1.0, evals
+    from hvdtrain.checkpoint import list_checkpoints
+    newest = list_checkpoints(out)[-1]
+    parts = {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}  # one per stage
+    assert parts <= {p.name for p in newest.iterdir()}
+    # the run's Hugging Face folder is the whole model again
+    check = run_cmd([sys.executable, "-c", LOADS_WITHOUT_HVDTRAIN.format(kind="CausalLM"), out / "hf"])
+    assert check.returncode == 0 and check.stdout.startswith("GPT2LMHeadModel"), check.stderr[-2000:]
+
+
 @pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
 def test_local_corpus_and_tokenization_cache(tmp_path, suffix):
     from hvdtrain.data.text import builtin_corpus

@@ -1,0 +1,43 @@
+"""Every recipe in recipes/ loads (its `base` chain, keys and values), and the pipelined ones
+are what their comments say (no workers: fast)."""
+from pathlib import Path
+
+import pytest
+
+from hvdtrain.config import load_config, resolve_batch
+from hvdtrain.plan import GIB, plan
+
+RECIPES = sorted((Path(__file__).resolve().parent.parent / "recipes").glob("*.yaml"))
+
+
+def test_there_are_recipes():
+    assert {"gpt-tiny.yaml", "gpt-tiny-pipeline.yaml", "gpt-13b-pipeline.yaml"} <= {r.name for r in RECIPES}
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
+def test_recipe_loads(recipe):
+    cfg = load_config(str(recipe))
+    assert cfg.out_dir.startswith("runs/")
+
+
+def test_tiny_pipeline_recipe():
+    cfg = load_config(str(RECIPES[0].parent / "gpt-tiny-pipeline.yaml"))
+    assert (cfg.model.n_layer, cfg.parallel.pipeline_stages, cfg.data.source) == (4, 2, "builtin")
+    # 2 workers: one pipeline, 4 micro batches of 8 = the global batch of gpt-tiny.yaml
+    assert resolve_batch(cfg, 2) == (4, 32)
+    assert resolve_batch(cfg, 4) == (2, 32)  # 2 stages x 2 copies
+
+
+def test_13b_pipeline_recipe_fits_80_gb_in_8_stages_on_64_gpus():
+    """What the recipe's comments promise, from `hvdtrain plan recipes/gpt-13b-pipeline.yaml
+    --gpus 64 --pp 8`."""
+    cfg = load_config(str(RECIPES[0].parent / "gpt-13b-pipeline.yaml"))
+    p = plan(cfg, gpus=64, gpu="H100", pp=8)
+    assert 12.8e9 < p["model"]["params"] < 12.9e9
+    assert not p["memory"]["fits"]  # not on one GPU
+    chosen = p["pipeline"]["chosen"]
+    assert chosen["fits"] and chosen["largest"] < 45 * GIB
+    assert (chosen["copies"], chosen["microbatches"], chosen["runs"]) == (8, 128, 1)
+    assert chosen["bubble"] == pytest.approx(7 / 135)
+    h200 = plan(cfg, gpus=64, gpu="H200", pp=4)["pipeline"]["chosen"]
+    assert h200["fits"] and h200["largest"] < 66 * GIB
