@@ -329,6 +329,24 @@ def run_compare(args) -> int:
 
     runs = {s.label: [] for s in sides}
     failed = {}  # side label -> its error: a side that fails (say a compile mode) leaves the others
+
+    def result(complete: bool) -> dict:
+        rows = [side_row(side, runs[side.label], failed.get(side.label), cfg, flops_per_token, peak)
+                for side in sides]
+        by_label = {r["side"]: r for r in rows if r["tokens_per_s"]}
+        ratios = [{"side": a.label, "reference": b.label,
+                   "ratio": by_label[a.label]["median_tokens_per_s"] / by_label[b.label]["median_tokens_per_s"],
+                   "pair_ratios": [x / y for x, y in zip(by_label[a.label]["tokens_per_s"],
+                                                         by_label[b.label]["tokens_per_s"])]}
+                  for a, b in side_ratios(sides) if a.label in by_label and b.label in by_label]
+        return {"benchmark": args.benchmark, "complete": complete, "config": config, "overrides": overrides,
+                "device": str(device),
+                "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                "torch": torch.__version__, "threads": torch.get_num_threads(), "steps_per_window": args.steps,
+                "windows": args.windows, "global_batch": global_batch, "grad_accum": grad_accum,
+                "seq_len": cfg.data.seq_len, "precision": cfg.train.precision, "flops_per_token": flops_per_token,
+                "peak_tflops": peak, "peak_source": peak_source, "sides": rows, "ratios": ratios}
+
     with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-") as tmp:
         for window in range(args.windows):
             for side in sides if window % 2 == 0 else sides[::-1]:
@@ -345,23 +363,12 @@ def run_compare(args) -> int:
                     shutil.rmtree(out_dir, ignore_errors=True)  # checkpoints: gigabytes for big models
                     gc.unfreeze()  # train() froze the objects alive at its start, this loop's included
                     gc.collect()
-
-    rows = [side_row(side, runs[side.label], failed.get(side.label), cfg, flops_per_token, peak) for side in sides]
-    by_label = {r["side"]: r for r in rows if r["tokens_per_s"]}
-    ratios = [{"side": a.label, "reference": b.label,
-               "ratio": by_label[a.label]["median_tokens_per_s"] / by_label[b.label]["median_tokens_per_s"],
-               "pair_ratios": [x / y for x, y in zip(by_label[a.label]["tokens_per_s"], by_label[b.label]["tokens_per_s"])]}
-              for a, b in side_ratios(sides) if a.label in by_label and b.label in by_label]
-    result = {"benchmark": args.benchmark, "config": config, "overrides": overrides, "device": str(device),
-              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "threads": torch.get_num_threads(), "steps_per_window": args.steps,
-              "windows": args.windows, "global_batch": global_batch, "grad_accum": grad_accum,
-              "seq_len": cfg.data.seq_len, "precision": cfg.train.precision, "flops_per_token": flops_per_token,
-              "peak_tflops": peak, "peak_source": peak_source, "sides": rows, "ratios": ratios}
+                if args.json:  # so far, as one line: a run stopped by a time limit still has these
+                    print(json.dumps(result(complete=False)), flush=True)
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(result(complete=True)))
     else:
-        print_compare(result)
+        print_compare(result(complete=True))
     return 1 if failed else 0
 
 

@@ -9,13 +9,14 @@ that build needs (cffi, pycparser) and the plain-transformers baseline hf_baseli
   Here, once (PyPI):  python3 scripts/gpu-check.py --prepare    # fill .gpu-carry/, then --dry-run
   Here, before:       python3 scripts/gpu-check.py --dry-run    # every carried file, every command
   There, one call:    the device tool's run with carry [".gpu-carry"] and the command
-                      python3 scripts/gpu-check.py --budget 540  (timeout_s 600)
+                      python3 scripts/gpu-check.py --budget 570  (timeout_s 600)
 
 Stages, in order of importance; each gets what is left of the budget (up to its own limit) and
 is skipped when less than its minimum is left, so the last ones may not run:
-  setup            offline wheels, Horovod built with NCCL by scripts/install.py (on cores 2-15),
-                   while hf_baseline.py times plain transformers eager (GPT-2, BERT-large) on 0-1
-  tests            tests/test_loss.py and tests/test_step_timer.py, their CUDA cases included
+  wheels           the carried wheels, installed offline
+  horovod          Horovod built with NCCL by scripts/install.py (cores 2-15), and meanwhile on
+                   cores 0-1: hf-eager (hf_baseline.py: plain transformers GPT-2 and BERT-large,
+                   eager), then tests (tests/test_loss.py, tests/test_step_timer.py, CUDA cases)
   doctor           hvdtrain doctor
   compare-gpt2     bench compare gpt2-small (B=16, T=1024): hvdtrain vs plain, eager and compiled,
                    and hvdtrain with log.step_breakdown=false (the breakdown's cost)
@@ -23,6 +24,7 @@ is skipped when less than its minimum is left, so the last ones may not run:
   compare-bert     bench compare bert-large (B=128, T=128), and hvdtrain with AdamW instead of LAMB
   switches-gpt2    hvdtrain compiled with each speed switch (hvdtrain.models.SWITCHES)
   hf-compiled      hf_baseline.py compiled (GPT-2, BERT-large)
+A compare cut short by its time limit still reports the windows it finished.
 Everything lands in $OUT (or --out): log.txt (all output), summary.json (every parsed figure),
 gpt2-small-metrics.jsonl, hf-eager/bench.json, hf-compiled/bench.json; the last lines printed
 are a summary table.
@@ -37,6 +39,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,11 +64,13 @@ TRAIN_STEPS = 300
 @dataclass
 class Stage:
     name: str
-    argv: list  # the command; for setup, the Horovod build (hf_baseline runs beside it)
+    argv: list  # the command, run in the repository
     max_s: int  # its own time limit
     min_s: int  # skipped when less than this is left
-    kind: str = "run"  # run | compare | train | hf | setup
+    kind: str = "run"  # run | compare | train | hf: what parse() reads from it
     extra: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)
+    beside: list = field(default_factory=list)  # stages run one after another on cores 0-1 meanwhile
 
 
 def hvdtrain(*args) -> list:
@@ -74,29 +79,34 @@ def hvdtrain(*args) -> list:
 
 def stages(carry: Path, out: Path, work: Path) -> list[Stage]:
     run_dir = work / "gpt2-small-run"
+    wheels = sorted(str(w) for w in (carry / "wheels").glob("*.whl"))
+    hf_eager = Stage("hf-eager", [sys.executable, str(carry / HF_BASELINE), "gpt2", "bertl"], 150, 30, "hf",
+                     {"hf_out": out / "hf-eager"})
+    tests = Stage("tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_loss.py",
+                            "tests/test_step_timer.py"], 150, 20)
     return [
-        Stage("setup", [sys.executable, str(REPO / "scripts" / "install.py"), "--no-venv", "--python", sys.executable,
-                        "--cache-dir", str(carry / "cache"), "--no-hvdtrain", "--jobs", str(build_cores())],
-              240, 60, "setup", {"hf": [sys.executable, str(carry / HF_BASELINE), "gpt2", "bertl"],
-                                 "hf_out": out / "hf-eager"}),
-        Stage("tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_loss.py",
-                        "tests/test_step_timer.py"], 120, 20),
+        Stage("wheels", [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", *wheels], 60, 5),
+        # Horovod needs no GPU to build: hf_baseline and the tests use it meanwhile, on cores of their own.
+        Stage("horovod", [sys.executable, str(REPO / "scripts" / "install.py"), "--no-venv", "--python",
+                          sys.executable, "--cache-dir", str(carry / "cache"), "--no-hvdtrain", "--jobs",
+                          str(build_cores())], 300, 60,
+              env={"PIP_NO_INDEX": "1", "HOROVOD_BUILD_CUDA_CC_LIST": "90"}, beside=[hf_eager, tests]),
         Stage("doctor", hvdtrain("doctor"), 60, 10),
         Stage("compare-gpt2", hvdtrain("bench", "compare", *GPT2, "--vary", "log.step_breakdown=false",
-                                       "--steps", "20", "--windows", "2", "--json"), 300, 90, "compare"),
+                                       "--steps", "20", "--windows", "2", "--json"), 300, 60, "compare"),
         Stage("train-gpt2", hvdtrain("train", *GPT2, "data.source=synthetic", f"train.max_steps={TRAIN_STEPS}",
                                      "train.warmup_steps=30", "log.every=10", "log.progress=false",
                                      "log.tensorboard=false", "eval.every=100", "eval.batches=4",
                                      "checkpoint.every=0", "checkpoint.resume=false", f"out_dir={run_dir}"),
-              240, 60, "train", {"run_dir": run_dir, "copy_to": out / "gpt2-small-metrics.jsonl"}),
+              240, 45, "train", {"run_dir": run_dir, "copy_to": out / "gpt2-small-metrics.jsonl"}),
         Stage("compare-bert", hvdtrain("bench", "compare", *BERT, "--vary", "train.optimizer=adamw",
-                                       "--steps", "10", "--windows", "2", "--json"), 300, 90, "compare"),
+                                       "--steps", "10", "--windows", "1", "--json"), 300, 60, "compare"),
         Stage("switches-gpt2", hvdtrain("bench", "compare", *GPT2, "--loops", "hvdtrain", "--compile", "on",
                                         "--vary", "env:HVDTRAIN_LOSS=logits,compiled",
                                         "--vary", "env:HVDTRAIN_COMPILE_SCOPE=body",
                                         "--vary", "env:HVDTRAIN_COMPILE_MODE=reduce-overhead",
-                                        "--steps", "20", "--windows", "1", "--json"), 300, 90, "compare"),
-        Stage("hf-compiled", [sys.executable, str(carry / HF_BASELINE), "gpt2c", "bertlc"], 240, 90, "hf",
+                                        "--steps", "20", "--windows", "1", "--json"), 300, 60, "compare"),
+        Stage("hf-compiled", [sys.executable, str(carry / HF_BASELINE), "gpt2c", "bertlc"], 240, 60, "hf",
               {"hf_out": out / "hf-compiled"}),
     ]
 
@@ -227,28 +237,33 @@ def prepare(carry: Path, hf_baseline: Path) -> int:
 # ---------------------------------------------------------------- running the stages there
 
 class Runner:
+    BESIDE_CORES = {0, 1}
+
     def __init__(self, carry: Path, out: Path, budget: float, env: dict):
         self.carry, self.out, self.env = carry, out, env
         self.deadline = time.monotonic() + budget
         self.log = open(out / "log.txt", "a", buffering=1)
+        self.lock = threading.Lock()
         self.results = {}
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
     def say(self, text: str):
-        print(text, flush=True)
-        self.log.write(text + "\n")
+        with self.lock:
+            print(text, flush=True)
+            self.log.write(text + "\n")
 
     def start(self, argv: list, cores: set | None = None, env: dict | None = None) -> subprocess.Popen:
         self.say(f"$ {' '.join(str(a) for a in argv)}")
+        cores = cores & os.sched_getaffinity(0) if cores else None
         preexec = (lambda: os.sched_setaffinity(0, cores)) if cores else None
         return subprocess.Popen([str(a) for a in argv], cwd=REPO, env=dict(self.env, **(env or {})),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=preexec,
                                 start_new_session=True)
 
     def finish(self, proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
-        """(status, output): ok, failed (exit N) or timeout (killed)."""
+        """(status, output): ok, failed (exit N) or timeout (killed with its children)."""
         try:
             output, _ = proc.communicate(timeout=max(1.0, timeout))
             status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
@@ -256,53 +271,37 @@ class Runner:
             os.killpg(proc.pid, 9)
             output, _ = proc.communicate()
             status = "timeout"
-        self.log.write(output or "")
+        with self.lock:
+            self.log.write(output or "")
         return status, output or ""
 
-    def run(self, stage: Stage, reserve: float = 10.0):
+    def run(self, stage: Stage, reserve: float = 10.0, cores: set | None = None):
+        """Run `stage` in what is left of the budget (and its beside stages meanwhile)."""
         left = self.left() - reserve
         if left < stage.min_s:
-            self.results[stage.name] = {"status": f"skipped ({max(0, left):.0f} s left, needs {stage.min_s})"}
-            self.say(f"== {stage.name}: skipped, {max(0, left):.0f} s left")
-            self.save()
+            self.record(stage, {"status": f"skipped ({max(0, left):.0f} s left, needs {stage.min_s})"})
             return
         timeout = min(stage.max_s, left)
         self.say(f"== {stage.name} (up to {timeout:.0f} s)")
+        beside = None
+        if stage.beside:
+            beside = threading.Thread(target=lambda: [self.run(b, reserve, self.BESIDE_CORES) for b in stage.beside])
+            beside.start()
+            cores = set(range(len(self.BESIDE_CORES), os.cpu_count() or 1))
         started = time.monotonic()
-        result = {}
-        hf = None
-        if stage.kind == "setup":
-            result.update(self.install_wheels())
-            hf = self.start_hf(stage, cores={0, 1})
-            cores = set(range(2, 2 + build_cores())) & os.sched_getaffinity(0)
-            proc = self.start(stage.argv, cores=cores or None, env={"PIP_NO_INDEX": "1",
-                                                                    "HOROVOD_BUILD_CUDA_CC_LIST": "90"})
-        elif stage.kind == "hf":
-            proc = self.start_hf(stage)
-        else:
-            proc = self.start(stage.argv)
-        status, output = self.finish(proc, timeout - (time.monotonic() - started))
-        if hf is not None:
-            result["hf_eager"] = self.finish(hf, timeout - (time.monotonic() - started))[0]
-        result.update(status=status, seconds=round(time.monotonic() - started, 1))
-        result.update(parse(stage, output))
-        self.results[stage.name] = result
-        self.say(f"== {stage.name}: {status} in {result['seconds']} s")
-        self.save()
+        if stage.kind == "hf":
+            stage.extra["hf_out"].mkdir(parents=True, exist_ok=True)
+        status, output = self.finish(self.start(stage.argv, cores, dict(stage.env, **(
+            {"OUT": str(stage.extra["hf_out"])} if stage.kind == "hf" else {}))), timeout)
+        self.record(stage, {"status": status, "seconds": round(time.monotonic() - started, 1), **parse(stage, output)})
+        if beside is not None:
+            beside.join(max(1.0, self.left()))
 
-    def install_wheels(self) -> dict:
-        wheels = sorted((self.carry / "wheels").glob("*.whl"))
-        proc = self.start([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", *wheels])
-        return {"wheels": self.finish(proc, 120)[0]}
-
-    def start_hf(self, stage: Stage, cores: set | None = None) -> subprocess.Popen:
-        hf_out = stage.extra["hf_out"]
-        hf_out.mkdir(parents=True, exist_ok=True)
-        argv = stage.extra.get("hf", stage.argv)
-        return self.start(argv, cores=cores and cores & os.sched_getaffinity(0), env={"OUT": str(hf_out)})
-
-    def save(self):
-        (self.out / "summary.json").write_text(json.dumps(self.results, indent=1) + "\n")
+    def record(self, stage: Stage, result: dict):
+        with self.lock:
+            self.results[stage.name] = result
+            (self.out / "summary.json").write_text(json.dumps(self.results, indent=1) + "\n")
+        self.say(f"== {stage.name}: {result['status']}" + (f" in {result['seconds']} s" if "seconds" in result else ""))
 
 
 def parse(stage: Stage, output: str) -> dict:
@@ -328,7 +327,7 @@ def parse(stage: Stage, output: str) -> dict:
         return {"records": len(train), "steps": train[-1]["step"] if train else 0,
                 "mean": {k: sum(r[k] for r in steady) / len(steady) for k in keys if all(k in r for r in steady)},
                 "evals": [{k: r[k] for k in ("step", "eval_loss")} for r in records if "eval_loss" in r]}
-    if stage.kind in ("hf", "setup"):
+    if stage.kind == "hf":
         path = Path(stage.extra["hf_out"]) / "bench.json"
         return {"hf": json.loads(path.read_text())} if path.is_file() else {}
     if stage.name == "doctor":
@@ -361,7 +360,8 @@ def summary_table(results: dict) -> list[str]:
         result = r.get("result")
         if result:
             lines.append(f"-- {name}: {result['device_name']}, global batch {result['global_batch']} x "
-                         f"{result['seq_len']}, peak {result['peak_tflops']} TFLOP/s")
+                         f"{result['seq_len']}, peak {result['peak_tflops']} TFLOP/s"
+                         + ("" if result.get("complete") else " (cut short: the windows it finished)"))
             for side in result["sides"]:
                 if side["median_tokens_per_s"] is None:
                     lines.append(f"   {side['side']:<52}failed: {side['error']}")
@@ -390,7 +390,7 @@ def main() -> int:
     parser.add_argument("--dry-run", action="store_true", help="here: check the carried files and the commands")
     parser.add_argument("--carry", default=str(CARRY), help=f"the carried folder (default {CARRY})")
     parser.add_argument("--hf-baseline", default=str(SHARED_HF_BASELINE), help="hf_baseline.py to carry")
-    parser.add_argument("--budget", type=float, default=540, help="seconds for all stages (default 540)")
+    parser.add_argument("--budget", type=float, default=570, help="seconds for all stages (default 570)")
     parser.add_argument("--only", default=None, help="comma-separated stage names to run (default all)")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="results folder (default $OUT)")
     args = parser.parse_args()
@@ -404,7 +404,7 @@ def main() -> int:
             print(f"gpu-check: {line}", file=sys.stderr)
         if not problems:
             print(f"gpu-check: ready. Device tool: run with carry [\"{carry.relative_to(REPO)}\"], timeout_s "
-                  f"{int(args.budget) + 60}, command: python3 scripts/gpu-check.py --budget {int(args.budget)}")
+                  f"{min(600, int(args.budget) + 30)}, command: python3 scripts/gpu-check.py --budget {int(args.budget)}")
         return 1 if problems else 0
 
     if not args.out:
@@ -421,9 +421,15 @@ def main() -> int:
             runner.say(runner.finish(runner.start(argv), 30)[1].strip())
     chosen = args.only.split(",") if args.only else None
     for stage in stages(carry, out, work):
-        if chosen is None or stage.name in chosen:
+        if chosen is None:
             runner.run(stage)
-    runner.save()
+        elif stage.name in chosen:
+            stage.beside = [b for b in stage.beside if b.name in chosen]
+            runner.run(stage)
+        else:
+            for b in stage.beside:
+                if b.name in chosen:
+                    runner.run(b)
     for line in summary_table(runner.results):
         runner.say(line)
     return 0

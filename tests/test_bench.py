@@ -61,6 +61,11 @@ def test_compare_hvdtrain_with_the_plain_loop(tiny_config):
                     "--json", timeout=240)
     assert proc.returncode == 0, proc.stderr
     result = last_json(proc.stdout)
+    assert result["complete"]
+    # After each window a line with the results so far: a run stopped by a time limit keeps them.
+    partial = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")][:-1]
+    assert [p["complete"] for p in partial] == [False] * 4
+    assert [len(p["sides"][0]["tokens_per_s"]) for p in partial] == [1, 1, 1, 2]  # hvdtrain, plain; plain, hvdtrain
     sides = sides_by_label(result)
     assert list(sides) == ["hvdtrain eager", "plain eager"]  # a CPU compares eager only by default
     for side in sides.values():

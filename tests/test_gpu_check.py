@@ -3,7 +3,9 @@ carried files and commands, and the stages keep to the time budget."""
 import hashlib
 import importlib.util
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -84,3 +86,52 @@ def test_stages_keep_to_the_budget(gpu_check, tmp_path):
     assert "hello" in (tmp_path / "log.txt").read_text()
     table = "\n".join(gpu_check.summary_table(results))
     assert "slow             timeout" in table and "-- quick: hello" in table
+
+
+def test_beside_stages_run_meanwhile_on_cores_of_their_own(gpu_check, tmp_path):
+    py = sys.executable
+    cores = "import os, time; print(sorted(os.sched_getaffinity(0))); time.sleep({})"
+    beside = [gpu_check.Stage("first", [py, "-c", cores.format(0)], 30, 1),
+              gpu_check.Stage("second", [py, "-c", cores.format(0)], 30, 1)]
+    main = gpu_check.Stage("main", [py, "-c", cores.format(1)], 30, 1, beside=beside)
+    runner = gpu_check.Runner(tmp_path, tmp_path, budget=30.0, env={})
+    started = time.monotonic()
+    runner.run(main, reserve=0.5)
+    assert time.monotonic() - started < 6
+    results = json.loads((tmp_path / "summary.json").read_text())
+    assert [results[n]["status"] for n in ("main", "first", "second")] == ["ok"] * 3
+    if len(os.sched_getaffinity(0)) > 2:  # (a 2-core machine has no cores left for the main stage)
+        assert results["first"]["last_line"] == "[0, 1]"
+
+
+def test_figures_are_read_from_what_the_stages_printed_and_wrote(gpu_check, tmp_path):
+    side = {"side": "hvdtrain compiled", "median_tokens_per_s": 500000.0, "median_sequences_per_s": 488.3,
+            "mfu": 0.5, "peak_memory_bytes": 2**33, "error": None}
+    compare = {"device_name": "NVIDIA H200", "global_batch": 16, "seq_len": 1024, "peak_tflops": 989.0,
+               "sides": [side, dict(side, side="plain compiled", median_tokens_per_s=None, error="OOM")],
+               "ratios": [{"side": "hvdtrain compiled", "reference": "plain compiled", "ratio": 1.25}]}
+    output = "\n".join([json.dumps(dict(compare, complete=False)), "a warning", json.dumps(dict(compare, complete=True))])
+    stage = gpu_check.Stage("compare-gpt2", [], 1, 1, "compare")
+    assert gpu_check.parse(stage, output) == {"result": dict(compare, complete=True)}
+    cut = gpu_check.parse(stage, output.rsplit("\n", 1)[0])  # killed before its last line
+    assert cut["result"]["complete"] is False
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    records = [{"step": 10, "tokens_per_s": 100.0, "mfu": 0.1, "time_forward": 0.5},
+               {"step": 20, "tokens_per_s": 400.0, "mfu": 0.4, "time_forward": 0.2},
+               {"step": 20, "eval_loss": 7.5},
+               {"step": 30, "tokens_per_s": 600.0, "mfu": 0.6, "time_forward": 0.1}]
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    train = gpu_check.Stage("train-gpt2", [], 1, 1, "train", {"run_dir": run_dir, "copy_to": tmp_path / "m.jsonl"})
+    figures = gpu_check.parse(train, "")
+    assert figures == {"records": 3, "steps": 30, "evals": [{"step": 20, "eval_loss": 7.5}],
+                       "mean": {"tokens_per_s": 500.0, "mfu": 0.5, "time_forward": pytest.approx(0.15)}}
+    assert (tmp_path / "m.jsonl").read_text() == (run_dir / "metrics.jsonl").read_text()
+
+    table = "\n".join(gpu_check.summary_table({"compare-gpt2": {"status": "timeout", "seconds": 300, **cut},
+                                                "train-gpt2": {"status": "ok", "seconds": 60, **figures}}))
+    assert "(cut short: the windows it finished)" in table
+    assert "500,000 tok/s" in table and "MFU  50.0%" in table and "failed: OOM" in table
+    assert "ratio hvdtrain compiled / plain compiled: 1.250" in table
+    assert "30 steps, mean after the first interval: 500 tok/s, MFU 50.0%" in table
