@@ -5,7 +5,7 @@ NP ?= 2
 RECIPE ?= recipes/gpt-tiny.yaml
 BIN := $(VENV)/bin
 
-.PHONY: setup train test test-fast bench clean
+.PHONY: setup train test test-fast test-image test-slurm bench clean
 
 # venv, torch (TORCH_SPEC=... to choose a build), Horovod built for this machine, hvdtrain.
 # As root on Debian/Ubuntu it apt-installs what is missing (Open MPI, ...); SETUP_ARGS=--sshd
@@ -24,6 +24,15 @@ test: setup
 # The tests that start no worker processes: seconds.
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not workers" tests
+
+# The CPU flavour of docker/Dockerfile built with buildah on a Debian 12 base and run as the README
+# runs it: doctor, 2 workers with Gloo and with MPI, a worker container reached over ssh (root).
+test-image:
+	docker/test-image.sh
+
+# docker/slurm/hvdtrain.sbatch submitted to a one-node Slurm started for the test (root).
+test-slurm: setup
+	docker/slurm/test-slurm.sh
 
 bench: setup
 	$(BIN)/hvdtrain bench overhead

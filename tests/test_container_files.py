@@ -110,10 +110,30 @@ def test_base_image_is_cuda_12_devel_with_the_version_in_one_place():
     instructions = dockerfile()
     cuda_args = [args for keyword, args in instructions if keyword == "ARG" and args.startswith("CUDA_VERSION=")]
     assert len(cuda_args) == 1 and re.fullmatch(r"CUDA_VERSION=12\.\d+\.\d+", cuda_args[0])
+    # The base is a build argument (a Debian/Ubuntu base gives the CPU flavour); its default is the
+    # CUDA devel image, and it is declared before FROM, the only place FROM can see it.
     (base,) = [args for keyword, args in instructions if keyword == "FROM"]
-    assert re.fullmatch(r"nvidia/cuda:\$\{CUDA_VERSION\}-(cudnn-)?devel-ubuntu\d\d\.04", base)
+    assert base == "${BASE_IMAGE}"
+    base_args = [i for i, (keyword, args) in enumerate(instructions) if keyword == "ARG" and args.startswith("BASE_IMAGE=")]
+    assert len(base_args) == 1 and base_args[0] < instructions.index(("FROM", base))
+    default = instructions[base_args[0]][1].split("=", 1)[1]
+    assert re.fullmatch(r"nvidia/cuda:\$\{CUDA_VERSION\}-(cudnn-)?devel-ubuntu\d\d\.04", default)
     others = " ".join(args for keyword, args in instructions if not args.startswith("CUDA_VERSION="))
     assert not re.search(r"\b12\.\d+\.\d+\b|\bcu12\d\b", others), "a CUDA version is spelled out a second time"
+
+
+def test_the_flavour_follows_the_base_image():
+    """CUDA torch and NCCL where the base has nvcc; the CPU torch index and no NCCL check elsewhere.
+    MPI and Gloo are required in both flavours."""
+    runs = [args for keyword, args in dockerfile() if keyword == "RUN"]
+    (torch,) = [args for args in runs if "pip install --index-url" in args]
+    assert re.search(r"if command -v nvcc > /dev/null; then torch_tag=\"cu.*else torch_tag=cpu; fi", torch)
+    assert "download.pytorch.org/whl/${torch_tag}" in torch
+    assert "assert bool(torch.version.cuda) == cuda" in torch
+    (check,) = [args for args in runs if "horovodrun --check-build" in args]
+    assert re.search(r"if command -v nvcc > /dev/null; then grep -q '\\\[X\\\] NCCL' \S+; fi", check)
+    for controller in ("MPI", "Gloo"):
+        assert re.search(rf"&& grep -q '\\\[X\\\] {controller}'", check), controller
 
 
 def test_horovod_is_built_by_install_py_before_the_code_and_checked_for_nccl():
@@ -405,3 +425,49 @@ def test_hvdtrain_commands_in_the_docs_parse():
                 assert is_subcommand(argv[0]), f"hvdtrain has no subcommand {argv[0]!r}: {line}"
             checked += 1
     assert checked >= 5
+
+
+# ---------------------------------------------------------------- the scripts that build and run it all here
+
+TEST_IMAGE = DOCKER / "test-image.sh"
+TEST_SLURM = DOCKER / "slurm" / "test-slurm.sh"
+
+
+@pytest.mark.parametrize("script", [TEST_IMAGE, TEST_SLURM], ids=lambda p: p.name)
+def test_the_real_checks_are_valid_bash_and_executable(script):
+    subprocess.run(["bash", "-n", script], check=True)
+    assert os.access(script, os.X_OK)
+
+
+def test_make_and_ci_run_the_real_checks():
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r"^test-image:.*\n\tdocker/test-image\.sh$", makefile, re.M)
+    assert re.search(r"^test-slurm:.*\n\tdocker/slurm/test-slurm\.sh$", makefile, re.M)
+    ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
+    suite = next(i for i, line in enumerate(ci) if re.match(r"make test( |$)", line))
+    assert suite < ci.index("make test-image") and "make test-slurm" in ci
+
+
+def test_test_image_builds_the_dockerfile_and_uses_it_as_the_readme_does():
+    script = TEST_IMAGE.read_text()
+    assert '-f "$repo/docker/Dockerfile"' in script and '--build-arg "BASE_IMAGE=$base"' in script
+    assert '--ignorefile "$repo/docker/Dockerfile.dockerignore"' in script
+    assert "BUILDAH_ISOLATION=chroot" in script and "debootstrap --variant=minbase bookworm" in script
+    # Through the entrypoint, as the image's user: doctor, both controllers, a worker reached over ssh.
+    assert "--user 1000:1000" in script and "hvdtrain-entrypoint" in script
+    assert re.search(r"-- doctor\b", script) and re.search(r"-- worker\b", script)
+    assert re.search(r'launch -np 2 "--\$controller" recipes/gpt-tiny\.yaml', script)
+    assert re.search(r"launch -np 2 -H 127\.0\.0\.1:1,127\.0\.0\.2:1", script)
+    assert "for controller in gloo mpi" in script
+
+
+def test_test_slurm_submits_the_real_sbatch_with_two_tasks_and_pmix():
+    script = TEST_SLURM.read_text()
+    (submit,) = re.findall(r"sbatch --parsable[^\n]*\\\n[^\n]*\\\n[^\n]*", script)
+    assert "--ntasks-per-node=2" in submit and "--nodes=1" in submit
+    assert "docker/slurm/hvdtrain.sbatch recipes/gpt-tiny.yaml" in submit
+    assert_recipe_exists("recipes/gpt-tiny.yaml")
+    # A sandbox: no cgroups, its own munge socket, loopback ports.
+    for setting in ("ProctrackType=proctrack/linuxproc", "AuthInfo=socket=$socket", "NodeAddr=127.0.0.1"):
+        assert setting in script
+    assert "srun --mpi=list" in script
