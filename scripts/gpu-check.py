@@ -4,7 +4,8 @@
 The machine (one H200: Python 3.12, torch 2.11 CUDA 13, NCCL from the nvidia-nccl pip wheel,
 16 cores) has no network, so what it lacks travels in the git-ignored folder .gpu-carry/:
 Horovod's source package (scripts/install.py builds it offline from there), the cp312 wheels
-that build needs (cffi, pycparser) and the plain-transformers baseline hf_baseline.py.
+that build needs (cffi, pycparser), datasets (imported by hvdtrain.data, with dill and
+multiprocess) and the plain-transformers baseline hf_baseline.py.
 
   Here, once (PyPI):  python3 scripts/gpu-check.py --prepare    # fill .gpu-carry/, then --dry-run
   Here, before:       python3 scripts/gpu-check.py --dry-run    # every carried file, every command
@@ -13,7 +14,7 @@ that build needs (cffi, pycparser) and the plain-transformers baseline hf_baseli
 
 Stages, in order of importance; each gets what is left of the budget (up to its own limit) and
 is skipped when less than its minimum is left, so the last ones may not run:
-  wheels           the carried wheels, installed offline
+  wheels, imports  the carried wheels, installed offline; hvdtrain and its packages import
   horovod          Horovod built with NCCL by scripts/install.py (cores 2-15), and meanwhile on
                    cores 0-1: hf-eager (hf_baseline.py: plain transformers GPT-2 and BERT-large,
                    eager), then tests (tests/test_loss.py, tests/test_step_timer.py, CUDA cases)
@@ -47,7 +48,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 CARRY = REPO / ".gpu-carry"
 HOROVOD_SDIST = "cache/build/horovod-0.28.1.tar.gz"  # where install.py --cache-dir CARRY/cache looks
-WHEELS = ["cffi==2.1.1", "pycparser==3.12"]  # cp312 wheels the GPU machine lacks (Horovod's build needs cffi)
+# cp312 wheels the GPU machine lacks: cffi for Horovod's build; datasets, which hvdtrain.data
+# imports even for synthetic data, with the two of its requirements missing there.
+WHEELS = ["cffi==2.1.1", "pycparser==3.12", "datasets==5.2.0", "dill==0.4.1", "multiprocess==0.70.19"]
 HF_BASELINE = "hf_baseline.py"
 SHARED_HF_BASELINE = REPO.parent / "shared" / "bench" / HF_BASELINE
 MANIFEST = "manifest.json"
@@ -86,10 +89,12 @@ def stages(carry: Path, out: Path, work: Path) -> list[Stage]:
                             "tests/test_step_timer.py"], 150, 20)
     return [
         Stage("wheels", [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", *wheels], 60, 5),
+        Stage("imports", [sys.executable, "-c", "import cffi, datasets, torch, transformers, hvdtrain.train, "
+                          "hvdtrain.bench; print('imports ok: datasets', datasets.__version__)"], 60, 5),
         # Horovod needs no GPU to build: hf_baseline and the tests use it meanwhile, on cores of their own.
         Stage("horovod", [sys.executable, str(REPO / "scripts" / "install.py"), "--no-venv", "--python",
-                          sys.executable, "--cache-dir", str(carry / "cache"), "--no-hvdtrain", "--jobs",
-                          str(build_cores())], 300, 60,
+                          sys.executable, "--cache-dir", str(carry / "cache"), "--no-hvdtrain", "--no-apt",
+                          "--jobs", str(build_cores())], 300, 60,
               env={"PIP_NO_INDEX": "1", "HOROVOD_BUILD_CUDA_CC_LIST": "90"}, beside=[hf_eager, tests]),
         Stage("doctor", hvdtrain("doctor"), 60, 10),
         Stage("compare-gpt2", hvdtrain("bench", "compare", *GPT2, "--vary", "log.step_breakdown=false",
@@ -194,6 +199,10 @@ def check_commands(carry: Path) -> list[str]:
     problems = []
     with tempfile.TemporaryDirectory() as tmp:
         for stage in stages(carry, Path(tmp), Path(tmp)):
+            if stage.name == "horovod":  # scripts/install.py still takes every option given to it
+                usage = subprocess.run([sys.executable, stage.argv[1], "--help"], capture_output=True, text=True).stdout
+                problems += [f"horovod: scripts/install.py has no option {option}" for option in stage.argv[2:]
+                             if option.startswith("--") and option not in usage]
             if stage.argv[1:3] != ["-m", "hvdtrain.cli"]:
                 continue
             args, extra = build_parser().parse_known_args(stage.argv[3:])
@@ -403,7 +412,8 @@ def main() -> int:
         for line in problems:
             print(f"gpu-check: {line}", file=sys.stderr)
         if not problems:
-            print(f"gpu-check: ready. Device tool: run with carry [\"{carry.relative_to(REPO)}\"], timeout_s "
+            where = carry.relative_to(REPO) if carry.is_relative_to(REPO) else carry
+            print(f"gpu-check: ready. Device tool: run with carry [\"{where}\"], timeout_s "
                   f"{min(600, int(args.budget) + 30)}, command: python3 scripts/gpu-check.py --budget {int(args.budget)}")
         return 1 if problems else 0
 

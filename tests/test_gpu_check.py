@@ -27,7 +27,9 @@ def fake_carry(gpu_check, carry: Path) -> str:
     """A complete carry folder of stand-in files; returns the stand-in sdist's sha256."""
     files = {gpu_check.HOROVOD_SDIST: b"sdist", gpu_check.HF_BASELINE: b"print('baseline')",
              "wheels/cffi-2.1.1-cp312-cp312-manylinux2014_x86_64.manylinux_2_17_x86_64.whl": b"cffi",
-             "wheels/pycparser-3.12-py3-none-any.whl": b"pycparser"}
+             "wheels/pycparser-3.12-py3-none-any.whl": b"pycparser",
+             "wheels/datasets-5.2.0-py3-none-any.whl": b"datasets", "wheels/dill-0.4.1-py3-none-any.whl": b"dill",
+             "wheels/multiprocess-0.70.19-py312-none-any.whl": b"multiprocess"}
     for name, data in files.items():
         (carry / name).parent.mkdir(parents=True, exist_ok=True)
         (carry / name).write_bytes(data)
