@@ -74,6 +74,10 @@ PYTHON_PROBE = ("import json, os, sys, sysconfig, importlib.util; print(json.dum
                 "'ensurepip': importlib.util.find_spec('ensurepip') is not None}))")
 
 
+# sshd lives in /usr/sbin, which is often not on a user's PATH. A list so tests can empty it.
+SBIN_DIRS = ["/usr/sbin"]
+
+
 def missing_system_packages(base_python: str, env: dict, make_venv: bool, sshd: bool) -> list[tuple[str, str]]:
     """(Debian/Ubuntu packages, what for) that this machine lacks for set-up."""
     path = env.get("PATH")
@@ -89,7 +93,7 @@ def missing_system_packages(base_python: str, env: dict, make_venv: bool, sshd: 
         missing.append((f"python{python['version']}-dev", f"Python.h of {base_python}, for Horovod's build"))
     if python.get("system") and make_venv and not python["ensurepip"]:
         missing.append((f"python{python['version']}-venv", f"`{base_python} -m venv`"))
-    if sshd and shutil.which("sshd", path=os.pathsep.join(filter(None, [path, "/usr/sbin"]))) is None:
+    if sshd and shutil.which("sshd", path=os.pathsep.join(filter(None, [path, *SBIN_DIRS]))) is None:
         missing.append(("openssh-server", "the several-hosts test, which starts its own sshd"))
     return missing
 

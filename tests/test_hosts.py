@@ -148,13 +148,14 @@ def test_data_missing_on_one_host_is_one_line_naming_the_file_and_the_host(tmp_p
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     words = "a small corpus that only the first host has, long enough for a few blocks".split()
-    (corpus / "text.txt").write_text("\n".join(" ".join(words[(i + j) % len(words)] for j in range(200))
-                                               for i in range(100)))
+    paragraphs = (" ".join(words[(i + j) % len(words)] for j in range(200)) for i in range(300))
+    (corpus / "text.txt").write_text("\n\n".join(paragraphs))  # a .txt paragraph is a document
     (tmp_path / "nothing").mkdir()
     hosts.start("127.0.0.2", {corpus: tmp_path / "nothing"})
     out = tmp_path / "run"
     proc = hvdtrain("launch", "--gloo", "-np", "2", "-H", "127.0.0.1:1,127.0.0.2:1", *hosts.launch_args,
-                    tiny_config({"data": {**TEXT_DATA, "source": str(corpus / "text.txt")}}), f"out_dir={out}",
+                    tiny_config({"data": {**TEXT_DATA, "source": str(corpus / "text.txt"),
+                                                         "validation_fraction": 0.1}}), f"out_dir={out}",
                     f"data.cache_dir={tmp_path / 'cache'}", env=hosts.env)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.splitlines()

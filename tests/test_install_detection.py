@@ -29,8 +29,9 @@ def install(monkeypatch):
     spec = importlib.util.spec_from_file_location("hvdtrain_install_script", INSTALL)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    # Only the fake layouts count, not an NCCL this machine may have in /usr.
+    # Only the fake layouts count, not an NCCL or sshd this machine may have in /usr.
     monkeypatch.setattr(module, "SYSTEM_NCCL_HOMES", [])
+    monkeypatch.setattr(module, "SBIN_DIRS", [])
     return module
 
 
