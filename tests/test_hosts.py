@@ -9,7 +9,7 @@ mpirun start the remote workers through it, so the ssh launch, HOROVOD_HOSTNAME,
 cross ranks, per-host data preparation and a broken host's errors are real.
 
 Nothing outlives a test: the servers are its children, killed at the end, and their mounts go
-with their namespaces; ~/.ssh and /etc/ssh are not touched.
+with their namespaces; ~/.ssh, /etc/ssh and horovodrun's cache (~/.horovod) are not touched.
 
 The fake hosts share this machine's interfaces, so the runs pin Horovod's and MPI's traffic to
 `lo` (--network-interface lo): offered eth0 too, Open MPI's TCP transport between two "hosts"
@@ -60,8 +60,9 @@ class LoopbackHosts:
         (bin_dir / "ssh").write_text(f'#!/bin/sh\nexec /usr/bin/ssh -F {folder}/ssh_config "$@"\n')
         (bin_dir / "ssh").chmod(0o755)
         self.env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-        self.launch_args = ["--network-interface", "lo",
-                            f"--horovodrun-args=--ssh-port {self.port} --ssh-identity-file {self.key}"]
+        # --disable-cache: horovodrun would remember these hosts' checks in ~/.horovod.
+        self.horovodrun_args = ["--ssh-port", str(self.port), "--ssh-identity-file", str(self.key), "--disable-cache"]
+        self.launch_args = ["--network-interface", "lo", f"--horovodrun-args={' '.join(self.horovodrun_args)}"]
         self.servers: list[subprocess.Popen] = []
 
     def start(self, address: str, replaced: dict[Path, Path] | None = None):
@@ -138,8 +139,8 @@ def test_two_hosts_over_ssh_train_like_one_host(tmp_path, hosts, one_host_run, c
     if controller == "gloo":
         # horovodrun gives each host its own local ranks; the workers there know their host.
         probe = run_cmd([BIN / "horovodrun", "-np", "2", "-H", "127.0.0.1:1,127.0.0.2:1", "--gloo",
-                         "--network-interface", "lo", "--ssh-port", hosts.port, "--ssh-identity-file", hosts.key,
-                         sys.executable, "-c", PROBE], env=hosts.env)
+                         "--network-interface", "lo", *hosts.horovodrun_args, sys.executable, "-c", PROBE],
+                        env=hosts.env)
         layout = sorted(line.split("layout ", 1)[1] for line in probe.stdout.splitlines() if "layout " in line)
         assert layout == ["0 0 1 0 2 127.0.0.1", "1 0 1 1 2 127.0.0.2"], probe.stdout + probe.stderr
 
