@@ -115,11 +115,11 @@ def run_launch(args) -> int:
     load_config(args.config, args.overrides)  # fail here, once, before starting any worker
     if args.np < 1:
         raise UserError(f"-np: expected a number of workers >= 1, got {args.np}")
+    cmd = horovodrun_command(args, ["train", args.config, *args.overrides])
     if args.hosts:
         if len(hosts_by_rank(args.hosts, args.np)) < args.np:
             raise UserError(f"-np {args.np} is more than the slots of -H {args.hosts}")
         check_hosts_reachable(args)
-    cmd = horovodrun_command(args, ["train", args.config, *args.overrides])
     env = dict(os.environ)
     if not args.hosts:
         # One host: its workers share its cores. Give each its share of compute threads, and
