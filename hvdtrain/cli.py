@@ -1,12 +1,13 @@
 """The `hvdtrain` command.
 
   hvdtrain train CONFIG [key=value ...]              one worker (under horovodrun, or alone)
-  hvdtrain launch -np N [-H h1:4,h2:4] CONFIG [...]   N workers through horovodrun
+  hvdtrain launch -np N [-H h1:4,h2:4] CONFIG [...]   N workers through horovodrun (--elastic: Horovod Elastic)
+  hvdtrain prepare CONFIG [...]                      tokenize the data into the cache (alone or under horovodrun)
   hvdtrain profile CONFIG [...]                      a short profiled run (see hvdtrain/profiling.py)
   hvdtrain doctor                                    what this installation can do
   hvdtrain export RUN_OR_CHECKPOINT OUT              a Hugging Face folder
   hvdtrain report RUN_DIR                            summary table and plots of a run
-  hvdtrain bench overhead|scaling|allreduce          benchmarks
+  hvdtrain bench compare|overhead|scaling|allreduce|pipeline   benchmarks
   hvdtrain plan CONFIG --gpus N                      memory, step time and scaling estimates
   hvdtrain generate MODEL "prompt" / fill-mask MODEL "text with [MASK]"
 
@@ -19,7 +20,7 @@ import logging
 import os
 import sys
 
-from hvdtrain import bench, export, inference, plan, report
+from hvdtrain import bench, export, inference, plan, prepare, report
 from hvdtrain.errors import UserError
 from hvdtrain.launch import add_config_args, add_elastic_options, add_launch_options, run_launch
 
@@ -86,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Subcommands defined next to their code; those modules import torch lazily, so
     # `hvdtrain --help` stays fast.
-    for module in (export, inference, plan, report, bench):
+    for module in (prepare, export, inference, plan, report, bench):
         module.add_cli(sub)
     return parser
 

@@ -31,7 +31,7 @@ from hvdtrain.data import DataBundle, build_data
 from hvdtrain.errors import UserError
 from hvdtrain.export import load_checkpoint_model, save_hf
 from hvdtrain.lr_schedule import lr_multiplier
-from hvdtrain.models import IGNORE_INDEX, build_model, logits_and_labels, prepare
+from hvdtrain.models import IGNORE_INDEX, build_model, logits_and_labels, prepare, token_loss_sum
 from hvdtrain.optimizers import build_optimizer
 from hvdtrain.paths import check_writable_folder
 from hvdtrain.profiling import Profiler
@@ -301,7 +301,7 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
                     time.sleep(t.slow_seconds)  # test aid: a straggling rank
                 micro_batches = [next(batches) for _ in range(grad_accum)]
                 normalizer.start(sum(mb["num_targets"] for mb in micro_batches), preemption.requested)
-                micro_batches = [{k: v.to(device, non_blocking=True) for k, v in mb.items() if torch.is_tensor(v)}
+                micro_batches = [{k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in mb.items()}
                                  for mb in micro_batches]
 
             # 2. forward/backward per micro batch; Horovod's hooks start the allreduce during the last backward
@@ -309,9 +309,7 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
             if pipe is None:
                 for mb in micro_batches:
                     with timer.phase("forward"), autocast:
-                        logits, labels = logits_and_labels(model, mb)
-                        loss = torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX,
-                                                                 reduction="sum")
+                        loss = token_loss_sum(model, mb)  # chunked: never the whole batch's logits
                     with timer.phase("backward"):
                         scaler.scale(loss * normalizer.loss_scale).backward()
                     loss_sum += loss.detach()
