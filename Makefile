@@ -5,7 +5,7 @@ NP ?= 2
 RECIPE ?= recipes/gpt-tiny.yaml
 BIN := $(VENV)/bin
 
-.PHONY: setup train test test-fast test-image test-slurm bench clean
+.PHONY: setup train test test-fast test-image test-slurm bench gpu-carry clean
 
 # venv, torch (TORCH_SPEC=... to choose a build), Horovod built for this machine, hvdtrain.
 # As root on Debian/Ubuntu it apt-installs what is missing (Open MPI, ...); SETUP_ARGS=--sshd
@@ -36,6 +36,10 @@ test-slurm: setup
 
 bench: setup
 	$(BIN)/hvdtrain bench overhead
+
+# The files a lent GPU machine needs (no network there): see scripts/gpu-check.py.
+gpu-carry: setup
+	$(BIN)/python scripts/gpu-check.py --prepare
 
 clean:
 	rm -rf runs
