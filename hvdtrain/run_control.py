@@ -11,12 +11,24 @@ skipped, as fp16's grad scaler skips one, and counted. On a GPU with fused AdamW
 decided on the device (the optimizer's `found_inf`), so the check adds no synchronisation;
 the counts are read at log points. After `train.max_bad_steps` in a row the run stops.
 """
+import os
 import signal
+from pathlib import Path
 
 import torch
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: a temporary failure; run the same command again
 DIVERGED_EXIT_CODE = 3
+
+
+def mark_preempted(world):
+    """Create the file named by HVDTRAIN_PREEMPTED_FILE (rank 0): a job script that starts the
+    workers with srun or mpirun can tell a preempted run (requeue it) from a failed one, whatever
+    exit code the launcher makes of the workers' 75 (srun --kill-on-bad-exit may kill the last
+    ones as they exit)."""
+    marker = os.environ.get("HVDTRAIN_PREEMPTED_FILE")
+    if marker and world.is_main:
+        Path(marker).touch()
 
 
 class RunStopped(Exception):

@@ -35,7 +35,8 @@ from hvdtrain.models import IGNORE_INDEX, build_model, logits_and_labels, prepar
 from hvdtrain.optimizers import build_optimizer
 from hvdtrain.paths import check_writable_folder
 from hvdtrain.profiling import Profiler
-from hvdtrain.run_control import PREEMPTED_EXIT_CODE, NonFiniteGuard, PreemptionSignal, RunStopped
+from hvdtrain.run_control import (PREEMPTED_EXIT_CODE, NonFiniteGuard, PreemptionSignal, RunStopped,
+                                  mark_preempted)
 from hvdtrain.run_log import RunLog
 from hvdtrain.sampler import EvalSampler, StreamSampler
 from hvdtrain.step_timer import StepTimer
@@ -387,6 +388,7 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
             if stop:
                 world.print(f"hvdtrain: preempted (a worker received a stop signal): checkpoint of step {done} "
                             f"written; run the same command again to continue")
+                mark_preempted(world)
                 raise RunStopped(f"preempted at step {done}", PREEMPTED_EXIT_CODE)
     finally:  # also when a step fails: files closed, traces and timeline flushed, the collector back on
         gc.enable()

@@ -130,3 +130,6 @@ class TrainingState:
                 {"step": self.step, "position": self.position, "world_size": self.world.size,
                  "scaler": self.scaler.state_dict(), "config": self.cfg.to_dict()},
                 rngs, keep=self.cfg.checkpoint.keep)
+        # Nobody leaves before the checkpoint is in place: a worker that exits right after (a
+        # preempted run) must not make the launcher kill rank 0 while it renames.
+        distributed.allreduce_sum([0.0], name="checkpoint_done")

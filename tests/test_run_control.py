@@ -17,10 +17,12 @@ def test_a_signal_to_rank_1_checkpoints_every_rank_and_the_rerun_equals_a_straig
     config = tiny_config({"train": {"max_steps": STEPS}, "checkpoint": {"every": 100}})
     straight, preempted = tmp_path / "straight", tmp_path / "preempted"
     train_workers(2, config, f"out_dir={straight}")
+    marker = tmp_path / "preempted"
     proc = horovodrun(2, [WORKERS / "inject_faults.py", config, f"out_dir={preempted}"],
-                      env={"HVDTRAIN_TEST_SIGNAL": "1:3"})
+                      env={"HVDTRAIN_TEST_SIGNAL": "1:3", "HVDTRAIN_PREEMPTED_FILE": str(marker)})
     assert proc.returncode != 0
     assert "stopped: preempted at step 4" in proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert marker.exists()  # what a job script checks to requeue (docker/slurm/hvdtrain.sbatch)
     # Every rank stopped after step 4 (the signal came in step 4, index 3), with a checkpoint.
     assert checkpoint.newest_intact_checkpoint(preempted).name == "step_00000004"
     assert sorted(step_losses(preempted)) == [1, 2, 3, 4]
