@@ -122,8 +122,8 @@ def measure(args, config: str, overrides: list[str], stages: int, m: int, out_di
     reports = one_run(args, config, [*overrides, *own])
     measured = report.steady(metrics.read_metrics(out_dir)[0])
     row = {"stages": stages, "microbatches": m, "peak_bytes": [r["peak_bytes"] for r in reports],
-           "peaks": [r["peaks"] for r in reports],
-           "device": reports[0]["device"]}
+           "peaks": [r["peaks"] for r in reports], "device": reports[0]["device"],
+           "load_average": os.getloadavg()[0]}
     if stages > 1:
         row["time_pipeline"] = report.time_mean(measured, lambda r: r["time_pipeline"])
     else:  # the whole model's forward and backward of one micro batch, on one worker
@@ -139,6 +139,7 @@ def median_run(runs: list[dict]) -> dict:
             row[key] = statistics.median(r[key] for r in runs)
             row[key + "_runs"] = [r[key] for r in runs]
     row["peak_bytes"] = [statistics.median(peaks) for peaks in zip(*(r["peak_bytes"] for r in runs))]
+    row["load_average"] = max(r["load_average"] for r in runs)
     return row
 
 
@@ -205,13 +206,18 @@ def print_result(result: dict):
           f"  unsplit model (p=1, {p} data-parallel copies): forward+backward {ref['time_micro_batch'] * 1e3:.2f} ms "
           f"per micro batch ({ref['time_micro_batch'] / p * 1e3:.2f} ms / {p} stages); memory: {memory}")
     peaks = " ".join(f"{'stage ' + str(i):>11}" for i in range(p))
-    print(f"{'':>9}{'m':>4}{'T(m) ms':>10}{'ideal bubble':>14}{'measured':>10}  {peaks}   vs p=1")
+    print(f"{'':>9}{'m':>4}{'T(m) ms':>10}{'ideal bubble':>14}{'measured':>10}  {peaks}   {'vs p=1':<{5 * p}} load avg")
     print(f"{'p=1':>9}{ref['microbatches']:>4}{'-':>10}{'-':>14}{'-':>10}  "
-          + " ".join(f"{b / MIB:>7.1f} MiB" for b in ref["peak_bytes"]) + "   1.00")
+          + " ".join(f"{b / MIB:>7.1f} MiB" for b in ref["peak_bytes"]) + f"   {'1.00':<{5 * p}}"
+          + f" {ref['load_average']:>8.2f}")
     for r in result["rows"]:
         print(f"{'p=' + str(p):>9}{r['microbatches']:>4}{r['time_pipeline'] * 1e3:>10.1f}{r['ideal_bubble']:>14.1%}"
               f"{r['measured_bubble']:>10.1%}  " + " ".join(f"{b / MIB:>7.1f} MiB" for b in r["peak_bytes"])
-              + "   " + " ".join(f"{x:.2f}" for x in r["peak_vs_unsplit"]))
+              + "   " + " ".join(f"{x:.2f}" for x in r["peak_vs_unsplit"]) + f" {r['load_average']:>8.2f}")
+    busiest = max(r["load_average"] for r in [ref, *result["rows"]])
+    if busiest > p:
+        print(f"warning: the host's 1-minute load average reached {busiest:.1f} after a run, above the {p} workers: "
+              "other processes competed for the cores, and the times (so the measured bubble) are not reliable")
 
 
 # ---------------------------------------------------------------- the worker

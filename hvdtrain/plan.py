@@ -579,7 +579,8 @@ def _pipeline_section(cfg, stages: int, gpus: int, budget: float, net_gbps: floa
                       step_time: Optional[float], peak: Optional[float], model_flops_utilisation: float,
                       global_batch: Optional[int], sdpa: bool) -> dict:
     """`stages` pipeline stages on `gpus` GPUs: the layout as configured (every rank), the other
-    stage counts (`stage_sweep`) and, for a global batch, the largest micro batch that fits."""
+    stage counts (`stage_sweep`) and, for a global batch, the micro batch to use
+    (`_pipeline_micro_batch`)."""
     spf, time_source = seconds_per_flop(cfg, peak, model_flops_utilisation, step_time)
     try:
         chosen = pipeline_plan(cfg, stages, gpus, budget, net_gbps, latency_s, spf, peak, sdpa)
@@ -597,7 +598,7 @@ def _pipeline_section(cfg, stages: int, gpus: int, budget: float, net_gbps: floa
         target = {"global_batch": global_batch, "gpus": gpus, "stages": stages}
         copies = gpus // stages
         per_copy, remainder = divmod(global_batch, copies)
-        choice = None if remainder else _largest_pipeline_micro_batch(cfg, stages, per_copy, budget, sdpa)
+        choice = None if remainder else _pipeline_micro_batch(cfg, stages, per_copy, budget, sdpa)
         if remainder:
             target["error"] = f"global batch {global_batch} is not a multiple of {copies} data-parallel copies"
         elif choice is None:
@@ -619,14 +620,15 @@ def _pipeline_section(cfg, stages: int, gpus: int, budget: float, net_gbps: floa
     return {"stages": stages, "time_source": time_source, "chosen": chosen, "rows": rows, "target": target}
 
 
-def _largest_pipeline_micro_batch(cfg, stages: int, per_copy: int, budget: float,
-                                  sdpa: bool) -> Optional[tuple[int, bool]]:
-    """(micro batch, checkpointing): the largest divisor of the `per_copy` samples of a step that
-    leaves enough micro batches for the schedule and whose largest rank fits, without
-    activation checkpointing if any does."""
+def _pipeline_micro_batch(cfg, stages: int, per_copy: int, budget: float, sdpa: bool) -> Optional[tuple[int, bool]]:
+    """(micro batch, checkpointing) for the `per_copy` samples of a step in `stages` stages: the
+    smallest divisor that fits, so the most micro batches per run and the smallest bubble
+    (p-1)/(m+p-1), without activation checkpointing if any fits. Smaller micro batches use a
+    GPU less well, which the plan does not model; the receive buffers, one per micro batch, can
+    make the smallest one the one that does not fit."""
     c = with_stages(cfg, stages)
     for ckpt in (False, True):
-        for micro in sorted((d for d in range(1, per_copy + 1) if per_copy % d == 0), reverse=True):
+        for micro in (d for d in range(1, per_copy + 1) if per_copy % d == 0):
             accum = per_copy // micro
             m = cfg.parallel.microbatches or accum
             if accum % m:

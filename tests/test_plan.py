@@ -471,13 +471,20 @@ def test_plan_with_pp_report():
     assert plan(small_gpt(parallel={"pipeline_stages": 1}), gpus=4, gpu="H100")["pipeline"] is None
 
 
-def test_pp_target_picks_the_largest_micro_batch_that_fits():
-    # global 64 on 2 copies: 32 samples per copy; 1f1b needs m >= 2 micro batches, so micro <= 16.
-    p = plan(small_gpt(), gpus=4, gpu="H100", pp=2, target_global_batch=64)
-    t = p["target"]
-    assert (t["micro_batch"], t["microbatches"], t["checkpointing"]) == (16, 2, False)
-    p = plan(small_gpt(), gpus=4, gpu="H100", pp=2, target_global_batch=3)
-    assert "not a multiple of 2 data-parallel copies" in p["target"]["error"]
+def test_pp_target_picks_the_most_micro_batches_that_fit():
+    # global 64 on 2 copies: 32 samples per copy; micro batch 1 gives m = 32, bubble 1/33
+    t = plan(small_gpt(), gpus=4, gpu="H100", pp=2, target_global_batch=64)["target"]
+    assert (t["micro_batch"], t["microbatches"], t["checkpointing"]) == (1, 32, False)
+    assert t["bubble"] == pytest.approx(1 / 33)
+    # a GPU between the two: micro batch 1 fits with checkpointing only
+    cfg = with_stages(small_gpt(train={"micro_batch_size": 1, "global_batch_size": 64}), 2)
+    without, with_ckpt = (max(r["total"] for r in stage_memory(cfg, 32, 1, ckpt)) for ckpt in (False, True))
+    assert with_ckpt < without
+    gib = (with_ckpt + without) / 2 / 0.9 / GIB
+    t = plan(small_gpt(), gpus=4, gpu="x", gpu_memory_gib=gib, pp=2, target_global_batch=64)["target"]
+    assert (t["micro_batch"], t["checkpointing"]) == (1, True)
+    t = plan(small_gpt(), gpus=4, gpu="H100", pp=2, target_global_batch=3)["target"]
+    assert "not a multiple of 2 data-parallel copies" in t["error"]
 
 
 @pytest.mark.parametrize("kwargs, message", [
