@@ -13,9 +13,10 @@ the memory of that process and all its children every 0.1 s:
               processes, kept in memory, then np.concatenate of the token lists into one array
   train       10 steps of `hvdtrain train` reading the prepared token files (and checking them)
 
-and prints peak memory (the largest sum of the case's processes' PSS, see `measure`), the
-largest RSS of any one of them, wall time, and tokens per second (tokens / the case's time
-after its imports, from reading the text to the last token written). Targets: preparing 1 GB in less than
+and prints what each case used (see `measure`: peak RSS of its processes added up, the largest
+one), its wall and CPU time and tokens per second and per CPU-second, both counted after its
+imports, from reading the text to the last token (training: the whole run). On a machine
+shared with other work the wall times vary with its load (printed); the CPU times do not. Targets: preparing 1 GB in less than
 1 GB and within 10% of preparing 100 MB; training memory the same for every size; 2 processes
 at least 1.7x as fast as 1.
 """
@@ -23,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -125,39 +127,60 @@ def run_case(kind: str, corpus: str, cache: str, num_proc: int):
     from hvdtrain.data import preparation  # noqa: F401
 
     cfg = case_config(corpus, cache, num_proc)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _cpu_seconds()
     result = CASES[kind](cfg)
-    result["seconds"] = time.perf_counter() - start
+    result.update(seconds=time.perf_counter() - start, work_cpu_s=_cpu_seconds() - cpu)
     print(RESULT_TAG + json.dumps(result), flush=True)
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of the processes it started and waited for (the tokenizing
+    processes, datasets.map's pool)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 # ---------------------------------------------------------------- measuring
 
 def measure(cmd: list[str]) -> dict:
-    """Run `cmd`; its result line, wall time and peak memory: the largest sum over it and its
-    descendants of their proportional set size (PSS: a page shared by n processes counts 1/n in
-    each, so forked children are not counted again for what they share with their parent), and
-    the largest RSS of any one of them."""
+    """Run `cmd`; its result line and what it used, it and every process it started:
+    peak_rss_mb   each process's peak RSS (the kernel's high-water mark) added up: an upper
+                  bound of the memory the case held at once;
+    largest_mb    the peak RSS of the largest process;
+    cpu_s         CPU seconds, user + system, all processes;
+    wall_s, load  wall time, and the machine's load average when it started (other work on a
+                  shared machine slows the wall time, not the CPU time)."""
+    load = float(open("/proc/loadavg").read().split()[0])
     start = time.perf_counter()
     log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                             env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
-    root, peak, largest = psutil.Process(proc.pid), 0, 0
-    while proc.poll() is None:
-        try:
-            memory = [p.memory_full_info() for p in [root, *root.children(recursive=True)]]
-            peak = max(peak, sum(m.pss for m in memory))
-            largest = max(largest, *(m.rss for m in memory))
-        except psutil.NoSuchProcess:
-            pass  # a process ended between listing and reading it: the next sample has the rest
-        time.sleep(0.1)
+    root, peaks = psutil.Process(proc.pid), {}
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)  # usage covers the processes it waited for
+        if pid:
+            break
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                peaks[p.pid] = max(peaks.get(p.pid, 0), _high_water_mark(p.pid))
+            except (FileNotFoundError, ProcessLookupError, psutil.NoSuchProcess):
+                pass  # it ended between listing and reading
+        time.sleep(0.05)
+    proc.returncode = os.waitstatus_to_exitcode(status)
     log.seek(0)
     text = log.read()
     if proc.returncode:
         raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{text[-3000:]}")
     lines = [line.split(RESULT_TAG, 1)[1] for line in text.splitlines() if RESULT_TAG in line]
     result = json.loads(lines[0]) if lines else {}
-    return {**result, "wall_s": time.perf_counter() - start, "peak_mb": peak / 1e6, "largest_rss_mb": largest / 1e6}
+    return {**result, "wall_s": time.perf_counter() - start, "cpu_s": usage.ru_utime + usage.ru_stime,
+            "peak_rss_mb": sum(peaks.values()) / 1e3, "largest_mb": usage.ru_maxrss / 1e3, "load": load}
+
+
+def _high_water_mark(pid: int) -> int:
+    """VmHWM of a process, in kB (0 once it has exited: a zombie has no memory left)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next((int(line.split()[1]) for line in f if line.startswith("VmHWM:")), 0)
 
 
 def bench_size(megabytes: int, folder: Path) -> list[dict]:
@@ -182,22 +205,29 @@ def bench_size(megabytes: int, folder: Path) -> list[dict]:
                      "log.progress=false", "log.tensorboard=false", f"out_dir={folder / 'run'}"])
     shutil.rmtree(folder / "run", ignore_errors=True)
     rows.append({"mb": megabytes, "case": "train 10 steps", **train})
-    for row in rows:
-        row["tokens_per_s"] = row["tokens"] / row["seconds"] if row.get("tokens") else None
     return rows
 
 
 def print_table(rows: list[dict]):
-    print(f"\n{'corpus':>8} {'case':<16} {'peak memory':>12} {'largest RSS':>12} {'time':>9} {'tokens/s':>10}")
+    print(f"\n{'corpus':>8} {'case':<15} {'peak RSS':>9} {'largest':>8} {'wall':>7} {'CPU':>7} {'tokens/s':>9} "
+          f"{'per CPU-s':>9} {'load':>5}")
     for r in rows:
-        speed = f"{r['tokens_per_s'] / 1e3:>9.0f}k" if r.get("tokens_per_s") else f"{'':>10}"
-        print(f"{r['mb']:>5} MB {r['case']:<16} {r['peak_mb']:>9.0f} MB {r['largest_rss_mb']:>9.0f} MB "
-              f"{r['wall_s']:>8.1f}s {speed}")
+        speed = (f"{r['tokens'] / r['seconds'] / 1e3:>8.0f}k {r['tokens'] / r['work_cpu_s'] / 1e3:>8.0f}k"
+                 if r.get("tokens") else f"{'':>9} {'':>9}")
+        print(f"{r['mb']:>5} MB {r['case']:<15} {r['peak_rss_mb']:>6.0f} MB {r['largest_mb']:>5.0f} MB "
+              f"{r.get('seconds', r['wall_s']):>6.0f}s {r.get('work_cpu_s', r['cpu_s']):>6.0f}s {speed} "
+              f"{r['load']:>5.1f}")
     by = {(r["mb"], r["case"]): r for r in rows}
-    for mb in sorted({r["mb"] for r in rows}):
-        one, two = by[(mb, "prepare 1")], by[(mb, "prepare 2")]
-        print(f"{mb} MB: 2 processes {two['tokens_per_s'] / one['tokens_per_s']:.2f}x one; preparing uses "
-              f"{max(one['peak_mb'], two['peak_mb']) / by[(mb, 'baseline 2')]['peak_mb']:.0%} of the baseline's memory")
+    sizes = sorted({r["mb"] for r in rows})
+    for mb in sizes:
+        one, two, base = by[(mb, "prepare 1")], by[(mb, "prepare 2")], by[(mb, "baseline 2")]
+        print(f"{mb} MB: 2 processes {one['seconds'] / two['seconds']:.2f}x as fast as 1 (wall), with "
+              f"{two['work_cpu_s'] / one['work_cpu_s']:.2f}x its CPU time; preparing's peak RSS is "
+              f"{two['peak_rss_mb'] / base['peak_rss_mb']:.0%} of the baseline's")
+    for case in ("prepare 1", "prepare 2", "train 10 steps"):
+        small, large = by[(sizes[0], case)], by[(sizes[-1], case)]
+        print(f"{case}: peak RSS {large['peak_rss_mb'] / small['peak_rss_mb'] - 1:+.0%} from {sizes[0]} MB to "
+              f"{sizes[-1]} MB")
 
 
 def main():
