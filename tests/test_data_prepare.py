@@ -132,7 +132,7 @@ def test_a_stopped_preparation_is_never_read_and_resumes(tmp_path, caplog):
     (lambda path: path.write_bytes(path.read_bytes()[:-2]), "is truncated or was overwritten"),
     (lambda path: path.write_bytes(bytes([path.read_bytes()[0] ^ 1]) + path.read_bytes()[1:]), "is corrupt"),
     (lambda path: path.unlink(), "is missing"),
-])
+], ids=["truncated", "corrupt", "missing"])
 def test_a_damaged_token_file_is_one_clear_error(tmp_path, damage, message):
     folder = prepare(config(tmp_path))
     victim = sorted((folder / "validation").iterdir())[-1]
