@@ -86,6 +86,10 @@ containers=()
 worker_pid=
 cleanup() {
   local status=$?
+  if [[ -n ${build_pid:-} ]] && kill -0 "$build_pid" 2> /dev/null; then
+    kill "$build_pid" 2> /dev/null || true
+    wait "$build_pid" 2> /dev/null || true
+  fi
   # The worker container (buildah run and its sshd) is a process group of its own.
   if [[ -n $worker_pid ]]; then
     kill -- "-$worker_pid" 2> /dev/null || true
@@ -173,11 +177,13 @@ fi
 
 say "buildah build $image from $base"
 start=$SECONDS
+: > "$work/build.log"
 bh build --layers --force-rm --format docker --ignorefile "$repo/docker/Dockerfile.dockerignore" \
-  -f "$repo/docker/Dockerfile" "${build_args[@]}" "${volumes[@]}" -t "$image" "$repo" 2>&1 \
+  -f "$repo/docker/Dockerfile" "${build_args[@]}" "${volumes[@]}" -t "$image" "$repo" \
   > "$work/build.log" 2>&1 &
 build_pid=$!
-tail -f --pid="$build_pid" "$work/build.log" | grep --line-buffered -E '^(STEP|\[install\]|torch |Error)' | cut -c1-160
+tail -f --pid="$build_pid" "$work/build.log" | grep --line-buffered -E '^(STEP|\[install\]|torch |Error)' \
+  | cut -c1-160 || true
 wait "$build_pid" || { tail -40 "$work/build.log"; die "buildah build failed"; }
 bh inspect --type image "$image" > /dev/null || die "buildah build made no $image"
 echo "build: $(elapsed "$start")"
@@ -187,11 +193,9 @@ bh rmi --prune > /dev/null 2>&1 || true
 # ---------------------------------------------------------------- run
 
 new_container() { # NAME: a working container of the image, removed at exit
-  local name=$1-$$
-  bh rm "$name" > /dev/null 2>&1 || true
-  bh from --name "$name" --pull-never "$image" > /dev/null
-  containers+=("$name")
-  echo "$name"
+  bh rm "$1" > /dev/null 2>&1 || true
+  bh from --name "$1" --pull-never "$image" > /dev/null
+  containers+=("$1")
 }
 
 # As `docker run --network host`: the image's user, entrypoint, working directory, environment; the
@@ -232,7 +236,8 @@ EOF
 # What the runs print, less the progress bars (the whole output is in the log file).
 show() { grep --line-buffered -E 'step [0-9]+:|hvdtrain:|[Ee]rror|Traceback|worker' || true; }
 
-a=$(new_container hvdtrain-a)
+a=hvdtrain-a-$$
+new_container "$a"
 
 say "1. hvdtrain doctor"
 start=$SECONDS
@@ -264,7 +269,8 @@ chmod 700 "$work/keys"
 # machine, with the same eth0 address: Open MPI's TCP transport between them hangs when offered
 # eth0, so Horovod's and MPI's traffic is pinned to lo (--network-interface, as on a cluster).
 port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-b=$(new_container hvdtrain-b)
+b=hvdtrain-b-$$
+new_container "$b"
 NO_TIMEOUT=1 setsid bash -c "$(declare -f run_in); $(declare -p storage runroot STORAGE_DRIVER check_timeout); "'run_in "$@"' \
   worker "$b" -v "$work/keys:/home/hvd/.ssh:ro" "${runs_mount[@]}" -e "SSH_PORT=$port" -- worker \
   > "$work/worker.log" 2>&1 &
