@@ -10,9 +10,10 @@
 #   3. the same with --mpi
 #   4. several nodes: one container in the `worker` role (sshd as uid 1000 on SSH_PORT, keys from a
 #      read-only mount) and one that runs `hvdtrain launch -np 2 -H 127.0.0.1:1,127.0.0.2:1`, so
-#      that horovodrun starts the second rank over ssh in the worker container. Both share the
-#      host network (as with `docker run --network host`) and the runs folder; each has its own
-#      cache (data prepared per host).
+#      that horovodrun starts the second rank over ssh in the worker container, with MPI and with
+#      Gloo. Both share the host network (as with `docker run --network host`) and the runs
+#      folder; each has its own cache (data prepared per host).
+#   5. all four runs end with the same loss (the recipe fixes the global batch)
 # The CUDA/NCCL part of the image cannot be checked without a GPU: the Dockerfile's build checks
 # cover it (the flavour follows the base image).
 #
@@ -28,6 +29,9 @@
 #   TORCH_WHEEL            a CPU torch wheel to install in the image instead of the PyTorch CPU
 #                          index (default: /opt/wheels/torch-<version>+cpu-cp311-*.whl if present)
 #   DEBIAN_MIRROR          for debootstrap (default http://deb.debian.org/debian)
+#   HVDTRAIN_IMAGE_HOST_WHEEL=0   compile Horovod in the image even when this host (Debian 12 too)
+#                          has a CPU wheel from scripts/install.py that the image could reuse
+#   STORAGE_DRIVER         overlay or vfs (default: overlay where the kernel has it)
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
