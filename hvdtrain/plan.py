@@ -781,17 +781,18 @@ def _format_pipeline(p: dict) -> list[str]:
     c = pipe["chosen"]
     n_stages = c["stages"] * c["stages_per_rank"]
     per_rank = f" ({c['stages_per_rank']} stages per rank)" if c["stages_per_rank"] > 1 else ""
+    width = max(16, *(len(_layers_text(r, n_stages)) for r in c["ranks"]))
     lines = [f"Pipeline: {c['stages']} stages{per_rank} x {c['copies']} data-parallel copies on {p['gpus']} GPUs, "
              f"{c['schedule']}, micro batch {c['micro_batch']} x {c['microbatches']} micro batches per run x "
              f"{c['runs']} run(s) per step = global batch {c['global_batch']}; activation checkpointing "
              f"{'on' if c['checkpointing'] else 'off'}; plan within {_gib(mem['budget'])} per GPU",
-             f"  {'rank':>4}  {'layers':<16} {'params':>9} {'weights+grads+optimizer':>24} {'activations':>12} "
+             f"  {'rank':>4}  {'layers':<{width}} {'params':>9} {'weights+grads+optimizer':>24} {'activations':>12} "
              f"{'recv buffers':>13} {'logits':>10} {'total':>11}  in flight"]
     for r in c["ranks"]:
         parts = r["parts"]
         state = sum(v for k, v in parts.items() if k.startswith(("parameters", "gradients", "optimizer", "autocast",
                                                                    "fp16-compressed")))
-        lines.append(f"  {r['rank']:>4}  {_layers_text(r, n_stages):<16} {r['params'] / 1e9:>8.2f}B "
+        lines.append(f"  {r['rank']:>4}  {_layers_text(r, n_stages):<{width}} {r['params'] / 1e9:>8.2f}B "
                      f"{state / GIB:>20.2f} GiB {parts['activations'] / GIB:>8.2f} GiB "
                      f"{parts.get('pipeline receive buffers', 0) / GIB:>9.2f} GiB "
                      f"{parts.get('logits and loss', 0) / GIB:>6.2f} GiB {r['total'] / GIB:>7.2f} GiB  "
@@ -800,8 +801,9 @@ def _format_pipeline(p: dict) -> list[str]:
     lines.append(f"  largest: rank {c['largest_rank']}, {_gib(c['largest'])} of {_gib(mem['budget'])}: {verdict} "
                  f"(each rank also holds the Horovod fusion buffer and {_gib(CUDA_OVERHEAD_BYTES)} of CUDA overhead)")
     v = c["stages_per_rank"]
-    m_text = f"{v} x {c['microbatches']}" if v > 1 else f"{c['microbatches']}"
-    lines.append(f"  ideal bubble (p-1)/(m+p-1) = {c['stages'] - 1}/({m_text}+{c['stages'] - 1}) = {c['bubble']:.1%}")
+    formula, m_text = ("(p-1)/(v·m+p-1)", f"{v} x {c['microbatches']}") if v > 1 else ("(p-1)/(m+p-1)",
+                                                                                      f"{c['microbatches']}")
+    lines.append(f"  ideal bubble {formula} = {c['stages'] - 1}/({m_text}+{c['stages'] - 1}) = {c['bubble']:.1%}")
     if c["step_s"] is None:
         lines.append(f"  step time: {pipe['time_source']}")
     else:

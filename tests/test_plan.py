@@ -543,3 +543,18 @@ def test_stage_params_match_the_real_split(arch):
             layout = pipeline.Layout(stages=stages, dp=1, stage=rank, dp_rank=0, stages_per_rank=per_rank)
             stage = pipeline.split_model(build_model(model_cfg, vocab, 16), layout, bounds)
             assert sum(p.numel() for p in stage.parameters()) == sum(counts[g]["params"] for g in layout.stage_ids)
+
+
+def test_interleaved_plan():
+    # 2 ranks x 2 stages: 4 layers + embedding + head in 4 stages of [0, 1, 3, 4, 4] (the head alone
+    # on the last); rank 0 runs stages 0 and 2, rank 1 stages 1 and 3. 2 GPUs, one copy: the global
+    # batch 16 is 8 micro batches of 2, so (p-1)/(v·m+p-1) = 1/17. In flight, torch's warm-up with
+    # 4 rounds of 2: rank 0 (2-1)·2 + 2·1 + 1 = 5 chunks, rank 1 2 + 0 + 1 = 3.
+    cfg = small_gpt(parallel={"schedule": "interleaved1f1b", "stages_per_rank": 2})
+    p = plan(cfg, gpus=2, gpu="H100")
+    chosen = p["pipeline"]["chosen"]
+    assert chosen["microbatches"] == 8 and chosen["bubble"] == pytest.approx(1 / 17)
+    assert [r["stages"] for r in chosen["ranks"]] == [[0, 2], [1, 3]]
+    assert [r["layers"] for r in chosen["ranks"]] == [[(0, 1), (3, 4)], [(1, 3), (4, 4)]]
+    assert [r["in_flight"] for r in chosen["ranks"]] == [5, 3]
+    assert "ideal bubble (p-1)/(v·m+p-1) = 1/(2 x 8+1) = 5.9%" in planmod.format_plan(p)
