@@ -17,7 +17,8 @@ def last_json(stdout: str) -> dict:
 
 
 def test_allreduce_bandwidth_per_size():
-    proc = hvdtrain("bench", "allreduce", "-np", "2", "--sizes", "1K,64K", "--repeats", "10", "--json", timeout=120)
+    proc = hvdtrain("bench", "allreduce", "-np", "2", "--gloo", "--sizes", "1K,64K", "--repeats", "10", "--json",
+                    timeout=120)
     assert proc.returncode == 0, proc.stderr
     result = last_json(proc.stdout)
     assert result["np"] == 2 and result["backend"].startswith("Gloo")
