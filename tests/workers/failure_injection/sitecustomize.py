@@ -2,7 +2,7 @@
 
 Put this folder on PYTHONPATH (horovodrun and mpirun pass it to every worker) and set
 HVDTRAIN_TEST_FAIL to `error` (a RuntimeError), `user-error` (a UserError) or `kill` (SIGKILL);
-the worker of rank HVDTRAIN_TEST_FAIL_RANK (default 1) fails at its third loss computation,
+the worker of rank HVDTRAIN_TEST_FAIL_RANK (default 1) fails at its third backward pass,
 while the other workers are in the middle of training. Python imports `sitecustomize` at start-up
 in every process; processes without a rank (horovodrun itself) are left alone.
 """
@@ -14,12 +14,12 @@ failure = os.environ.get("HVDTRAIN_TEST_FAIL")
 if failure and rank == os.environ.get("HVDTRAIN_TEST_FAIL_RANK", "1"):
     import signal
 
-    import torch.nn.functional
+    import torch.autograd
 
-    real_cross_entropy = torch.nn.functional.cross_entropy
+    real_backward = torch.autograd.backward  # what Tensor.backward calls
     calls = 0
 
-    def failing_cross_entropy(*args, **kwargs):
+    def failing_backward(*args, **kwargs):
         global calls
         calls += 1
         if calls == 3:
@@ -29,6 +29,6 @@ if failure and rank == os.environ.get("HVDTRAIN_TEST_FAIL_RANK", "1"):
                 from hvdtrain.errors import UserError
                 raise UserError("injected user error on this worker only")
             raise RuntimeError("injected failure in the middle of training")
-        return real_cross_entropy(*args, **kwargs)
+        return real_backward(*args, **kwargs)
 
-    torch.nn.functional.cross_entropy = failing_cross_entropy
+    torch.autograd.backward = failing_backward
