@@ -4,7 +4,9 @@
     tokenizer.py     a tokenizer trained on a sample of the corpus, or a pretrained one
     preparation.py   documents -> token files, in parallel (tokenizing.py: the processes)
     token_files.py   the on-disk format: token files in pieces, their index, reading them back
+    cache.py         where the data cache is, the keys of its entries, atomic writes
     bundle.py        build_data: token blocks, vocabulary and collator of a run (collate.py)
+    randomness.py    random numbers as functions of counters (BERT masks, held-out documents)
 
 `build_data` and the other names of bundle.py are imported from this package on first use:
 they need torch, which a preparation's tokenizing processes, importing modules of this
