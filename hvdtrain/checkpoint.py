@@ -53,7 +53,8 @@ def checkpoint_dir(out_dir) -> Path:
 
 
 def step_of(path: Path) -> int:
-    return int(STEP_DIR.match(path.name).group(1))
+    """The step of a checkpoint folder, or of its temporary folder while it is written."""
+    return int(STEP_DIR.match(path.name.removeprefix(".tmp-")).group(1))
 
 
 def list_checkpoints(out_dir) -> list[Path]:
@@ -120,7 +121,7 @@ def begin_checkpoint(out_dir, step: int) -> Path:
 def write_part(tmp: Path, index: int, count: int, model, optimizer):
     """This writer's weights and optimizer state (the whole model's, or one stage's)."""
     model_file, optimizer_file = part_names(index, count)
-    with written_whole(f"the checkpoint {tmp.name[len('.tmp-'):]} in {tmp.parent}", tmp):
+    with written_whole(f"the checkpoint of step {step_of(tmp)} in {tmp.parent}", tmp):
         save_model(model, str(tmp / model_file))
         save_file(optimizer_tensors(optimizer, model), str(tmp / optimizer_file))
 
