@@ -1,7 +1,7 @@
 """Test worker: `hvdtrain train CONFIG [overrides]` with faults injected at chosen steps.
 
     HVDTRAIN_TEST_SIGNAL="RANK:STEP"   that rank sends itself SIGUSR1 at the start of STEP
-    HVDTRAIN_TEST_NAN_STEPS="3,4"      every rank's logits turn NaN in those steps (0-based)
+    HVDTRAIN_TEST_NAN_STEPS="3,4"      every rank's training loss turns NaN in those steps (0-based)
 
 Exits with the code `hvdtrain train` would."""
 import os
@@ -16,7 +16,7 @@ from hvdtrain import train as training
 signal_rank, signal_step = map(int, os.environ.get("HVDTRAIN_TEST_SIGNAL", "-1:-1").split(":"))
 nan_steps = {int(s) for s in os.environ.get("HVDTRAIN_TEST_NAN_STEPS", "").split(",") if s}
 current = {"step": -1}
-real_lr_multiplier, real_logits_and_labels = training.lr_multiplier, training.logits_and_labels
+real_lr_multiplier, real_token_loss_sum = training.lr_multiplier, training.token_loss_sum
 
 
 def lr_multiplier(step, cfg):  # called once at the start of every step
@@ -26,12 +26,10 @@ def lr_multiplier(step, cfg):  # called once at the start of every step
     return real_lr_multiplier(step, cfg)
 
 
-def logits_and_labels(model, batch):
-    logits, labels = real_logits_and_labels(model, batch)
-    if model.training and current["step"] in nan_steps:
-        logits = logits * float("nan")
-    return logits, labels
+def token_loss_sum(model, batch):
+    loss = real_token_loss_sum(model, batch)
+    return loss * float("nan") if current["step"] in nan_steps else loss
 
 
-training.lr_multiplier, training.logits_and_labels = lr_multiplier, logits_and_labels
+training.lr_multiplier, training.token_loss_sum = lr_multiplier, token_loss_sum
 sys.exit(cli.main(["train", *sys.argv[1:]]))
