@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hvdtrain import flops, launch, metrics, report
+from hvdtrain.bench_common import RESULT_TAG, parse_ints, proc_status_bytes
 from hvdtrain.config import Config, load_config, resolve_batch
 from hvdtrain.errors import UserError
 
@@ -38,17 +39,6 @@ from hvdtrain.errors import UserError
 # torch, nor `hvdtrain doctor` fail when Horovod is broken.
 
 DEFAULT_RECIPE = "recipes/gpt-tiny.yaml"
-RESULT_TAG = "hvdtrain-bench-result: "  # marks the line a benchmark worker reports its result on
-
-
-def parse_ints(text: str, what: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise UserError(f"{what}: expected comma-separated integers >= 1, got '{text}'")
-    return values
 
 
 # ---------------------------------------------------------------- compare (and overhead)
@@ -151,17 +141,6 @@ def peak_memory(device, baseline: int) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) - baseline
     return proc_status_bytes("VmHWM") - baseline
-
-
-def proc_status_bytes(field: str) -> int:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 @contextlib.contextmanager

@@ -49,7 +49,7 @@ import tempfile
 from pathlib import Path
 
 from hvdtrain import launch, metrics, report
-from hvdtrain.bench import RESULT_TAG, parse_ints, proc_status_bytes
+from hvdtrain.bench_common import RESULT_TAG, parse_ints, proc_status_bytes
 from hvdtrain.config import load_config
 from hvdtrain.errors import UserError
 from hvdtrain.pipeline_split import ideal_bubble
