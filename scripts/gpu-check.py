@@ -33,7 +33,6 @@ are a summary table.
 Only the standard library: it runs before anything is installed.
 """
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -44,6 +43,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import install  # noqa: E402  (scripts/install.py: the pinned sdist and its checksum, standard library only)
 
 REPO = Path(__file__).resolve().parent.parent
 CARRY = REPO / ".gpu-carry"
@@ -122,22 +124,6 @@ def build_cores() -> int:
 
 # ---------------------------------------------------------------- the carried files
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def horovod_sha256() -> str:
-    """The sha256 that scripts/install.py pins for Horovod's source package."""
-    for line in (REPO / "scripts" / "install.py").read_text().splitlines():
-        if line.startswith("HOROVOD_SHA256"):
-            return line.split("=", 1)[1].strip().strip('"')
-    raise SystemExit("scripts/install.py has no HOROVOD_SHA256")
-
-
 def wheel_file_ok(name: str) -> bool:
     """A wheel pip installs on CPython 3.12 x86-64 Linux: cp312, abi3 or pure Python."""
     tags = name[:-len(".whl")].split("-")[-3:]
@@ -174,12 +160,12 @@ def dry_run(carry: Path, pinned_sha256: str | None = None) -> list[str]:
             problems.append(f"{path}: missing")
             continue
         total += path.stat().st_size
-        if sha256(path) != digest:
+        if install.sha256(path) != digest:
             problems.append(f"{path}: sha256 differs from {MANIFEST} (damaged or replaced)")
         if name.startswith("wheels/") and not wheel_file_ok(path.name):
             problems.append(f"{path}: not installable on CPython 3.12 x86-64 Linux")
     sdist = carry / HOROVOD_SDIST
-    if sdist.is_file() and sha256(sdist) != (pinned_sha256 or horovod_sha256()):
+    if sdist.is_file() and install.sha256(sdist) != (pinned_sha256 or install.HOROVOD_SHA256):
         problems.append(f"{sdist}: sha256 is not the one scripts/install.py pins (it would try to download)")
     if total > CARRY_LIMIT:
         problems.append(f"{carry}: {total / 2**20:.1f} MiB, over the {CARRY_LIMIT // 2**20} MiB that can travel")
@@ -236,7 +222,7 @@ def prepare(carry: Path, hf_baseline: Path) -> int:
     wanted = {f"{w.split('==')[0].replace('-', '_')}-{w.split('==')[1]}-" for w in WHEELS}
     files = [p for p in expected_files(carry)] + [p for p in sorted((carry / "wheels").glob("*.whl"))
                                                   if any(p.name.startswith(w) for w in wanted)]
-    manifest = {str(p.relative_to(carry)): sha256(p) for p in files}
+    manifest = {str(p.relative_to(carry)): install.sha256(p) for p in files}
     (carry / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     print(f"gpu-check: {carry} holds {len(manifest)} files, "
           f"{sum(p.stat().st_size for p in files) / 2**20:.1f} MiB")
