@@ -96,6 +96,11 @@ class HorovodConfig:
     cycle_time_ms: Optional[float] = None  # HOROVOD_CYCLE_TIME
     timeline: Optional[str] = None  # Horovod timeline of the whole run (relative paths: inside out_dir)
     autotune: bool = False  # HOROVOD_AUTOTUNE
+    # A worker that stops taking part (stuck in I/O, a deadlock, SIGSTOP) leaves the others
+    # waiting in a collective for ever: after this many seconds without a finished step (or
+    # evaluation or checkpoint) every worker says where it is and exits, naming the stalled rank
+    # (see hvdtrain.run_control.StallWatchdog). 0: wait for ever. As torch's NCCL default, 10 min.
+    stall_timeout_s: float = 600.0
 
 
 @dataclass
@@ -373,6 +378,8 @@ def validate(cfg: Config):
     _require(cfg.log.every >= 1, "log.every", "an integer >= 1", cfg.log.every)
     _require(cfg.eval.every >= 0, "eval.every", "an integer >= 0", cfg.eval.every)
     _require(cfg.eval.batches >= 1, "eval.batches", "an integer >= 1", cfg.eval.batches)
+    _require(cfg.horovod.stall_timeout_s >= 0, "horovod.stall_timeout_s", "a number of seconds >= 0 (0: no limit)",
+             cfg.horovod.stall_timeout_s)
     _require(cfg.horovod.gradient_predivide_factor > 0, "horovod.gradient_predivide_factor", "a number > 0",
              cfg.horovod.gradient_predivide_factor)
     par = cfg.parallel

@@ -59,6 +59,10 @@ def horovod_env(cfg: Config) -> dict:
     if h.autotune:
         env["HOROVOD_AUTOTUNE"] = "1"
         env["HOROVOD_AUTOTUNE_LOG"] = os.path.join(tempfile.gettempdir(), f"hvdtrain-autotune-{os.getpid()}.csv")
+    if h.stall_timeout_s and not is_elastic_job() and "HOROVOD_GLOO_TIMEOUT_SECONDS" not in os.environ:
+        # Gloo gives up on a worker that does not answer after 30 s, with an error that does not
+        # say which: the stall watchdog (hvdtrain.run_control) names it, so Gloo waits longer.
+        env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(int(h.stall_timeout_s) + 60)
     return env
 
 

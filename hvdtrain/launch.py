@@ -126,7 +126,7 @@ def run_launch(args) -> int:
         # make Open MPI (under --mpi) yield the core while a worker waits instead of spinning.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.np)))
         env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-    relay = Relay(hosts_by_rank(args.hosts, args.np))
+    relay = Relay(hosts_by_rank(args.hosts, args.np), args.np)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     for line in proc.stdout:
         relay.feed(line)

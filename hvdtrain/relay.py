@@ -7,7 +7,9 @@ their own report. While the job runs, `Relay.feed` passes worker output through 
 what may be an error; when the job has ended, `Relay.finish` shows the first real one:
 
 1. the first one-line user error of any worker (`hvdtrain: error: ...`, exit code 2): every
-   worker that hits one prints it, so the same mistake on all ranks is shown once;
+   worker that hits one prints it, so the same mistake on all ranks is shown once; or the
+   stalled workers, from what the stall watchdogs said (hvdtrain.run_control.StallWatchdog):
+   those that said they were stuck, else those that said nothing while the others waited;
 2. else the first traceback that is not an echo of another worker's failure, with its rank;
 3. else what horovodrun or mpirun report: the worker that exited first without saying why
    (killed by a signal, its program missing on its host), or horovodrun's own error when it
@@ -20,7 +22,9 @@ from dataclasses import dataclass, field
 
 WORKER_PREFIX = re.compile(r"\[(?:\d+,)?(\d+)\]<(stdout|stderr)>:")
 USER_ERROR = "hvdtrain: error: "
-ONE_LINERS = (USER_ERROR, "hvdtrain: stopped: ")  # cli.main's user error; a run stopped on purpose
+STALLED = "hvdtrain: stalled: "  # the stall watchdog's line, on every worker that is not stopped
+ONE_LINERS = (USER_ERROR, "hvdtrain: stopped: ", STALLED)  # cli.main's user error; a run stopped on purpose
+STALL_LINE = re.compile(re.escape(STALLED) + r"rank \d+ is (waiting for the others|stuck): ([^;]*); (.*)")
 TRACEBACK = "Traceback (most recent call last):"
 # What a worker reports when it stops because another worker failed first.
 ECHOES = ("Horovod has been shut down", "Horovod background loop uncaught exception")
@@ -60,8 +64,9 @@ class Message:
 
 
 class Relay:
-    def __init__(self, hosts_by_rank: list[str], out=None, err=None):
+    def __init__(self, hosts_by_rank: list[str], world_size: int, out=None, err=None):
         self.hosts_by_rank = hosts_by_rank  # empty when all workers run here
+        self.world_size = world_size
         self.out, self.err = out or sys.stdout, err or sys.stderr
         self.messages: list[Message] = []
         self.open_traceback: dict[int, Message] = {}
@@ -113,6 +118,10 @@ class Relay:
             return 0
         causes = [m for m in self.messages if not m.is_echo]
         failed = self.first_failed_worker()
+        stalls = [m for m in causes if STALL_LINE.match(m.lines[0])]
+        if stalls and not any(m.lines[0].startswith(USER_ERROR) for m in causes):
+            self.err.write(self.stalled_workers(stalls))
+            return failed[1] if failed and failed[1] > 0 else returncode
         if causes and causes[0].is_one_line:
             line, rank = causes[0].lines[0], causes[0].rank
             # With several hosts, say where: the data may be missing on one host only.
@@ -135,6 +144,23 @@ class Relay:
                            f"than --elastic-timeout ({too_few[2]} s) and stopped; the same command resumes from its "
                            f"last checkpoint\n")
         return failed[1] if failed and failed[1] > 0 else returncode
+
+    def stalled_workers(self, stalls: list[Message]) -> str:
+        """One line naming the stalled workers: those whose watchdog said they were stuck (and
+        where), else those that said nothing while every other one waited for them (stopped,
+        or their host hung)."""
+        said = {m.rank: STALL_LINE.match(m.lines[0]).groups() for m in stalls}
+        stuck = [f"{self.worker(rank)} stalled: {since}; {where}" for rank, (kind, since, where) in said.items()
+                 if kind == "stuck"]
+        if stuck:
+            return "hvdtrain: error: " + "; ".join(stuck) + "\n"
+        since = next(iter(said.values()))[1]
+        silent = [self.worker(rank) for rank in range(self.world_size) if rank not in said]
+        if not silent:
+            return (f"hvdtrain: error: every worker waited for the others ({since}): a collective operation "
+                    f"that not all of them started\n")
+        return (f"hvdtrain: error: {', '.join(silent)} stalled: the other workers waited for it in a collective "
+                f"operation, {since}; it was stopped, or its host hung or lost its network\n")
 
     def first_failed_worker(self) -> tuple[int, int] | None:
         """(rank, exit code; -N for signal N) of the first worker that failed, as horovodrun or

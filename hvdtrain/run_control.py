@@ -1,4 +1,4 @@
-"""When a run stops early, and how: preemption signals and non-finite steps.
+"""When a run stops early, and how: preemption signals, non-finite steps and stalled workers.
 
 Preemption: a scheduler sends SIGTERM or SIGUSR1 before it kills a job (Slurm's `--signal`,
 Kubernetes' termination grace period). The handler only sets a flag. The flag rides on the
@@ -10,15 +10,30 @@ Non-finite steps: a step whose gradient norm is inf or NaN (a loss spike, a bad 
 skipped, as fp16's grad scaler skips one, and counted. On a GPU with fused AdamW the skip is
 decided on the device (the optimizer's `found_inf`), so the check adds no synchronisation;
 the counts are read at log points. After `train.max_bad_steps` in a row the run stops.
+
+Stalled workers: a worker that stops taking part (stuck in I/O, a deadlock, SIGSTOP) leaves the
+others waiting in their next collective for ever; Horovod's own stall check cannot end that,
+as its coordinator waits in the same collective when a worker is stopped, and MPI never times
+out. So every worker watches itself: see StallWatchdog.
 """
 import os
 import signal
+import sys
+import threading
+import time
+import traceback
 from pathlib import Path
 
 import torch
 
+from hvdtrain.relay import STALLED  # how the watchdog's line starts: the launcher reads it
+
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: a temporary failure; run the same command again
 DIVERGED_EXIT_CODE = 3
+STALLED_EXIT_CODE = 4
+# Where a worker that waits for the others is: in Horovod's wait for a collective, or in the
+# pipeline's sends and receives between stages.
+COLLECTIVE_PACKAGES = ("horovod", "torch.distributed")
 
 
 def mark_preempted(world):
@@ -86,3 +101,77 @@ class NonFiniteGuard:
                              f"(train.max_bad_steps={self.max_bad_steps}); the run stops without writing a "
                              f"checkpoint from them: lower train.lr or check the data", DIVERGED_EXIT_CODE)
         return {"skipped_steps": skipped}
+
+
+class StallWatchdog:
+    """Ends this worker when no step finishes for `timeout_s` (horovod.stall_timeout_s).
+
+    The training loop calls `progress(step)` after each step, evaluation and checkpoint (an
+    assignment: nothing per step but that). A thread wakes every few seconds; past the limit it
+    prints one line saying what the training thread is doing, from its Python stack:
+      `hvdtrain: stalled: rank R is waiting for the others: ...` when it waits in a collective;
+      `hvdtrain: stalled: rank R is stuck: ...` anywhere else (the stalled rank itself), or
+      when this process did not run itself (SIGSTOP; it says so once it runs again);
+    then exits with STALLED_EXIT_CODE, and the launcher ends the other workers. A stopped worker
+    says nothing: `hvdtrain launch` names it as the one the others waited for (hvdtrain.relay)."""
+
+    def __init__(self, timeout_s: float, rank: int):
+        self.timeout_s, self.rank = timeout_s, rank
+        self.step, self.last_progress = 0, time.monotonic()
+        self.watched = threading.get_ident()  # the training thread
+        self.closed = threading.Event()
+        self.thread = threading.Thread(target=self.watch, name="hvdtrain-stall-watchdog", daemon=True)
+        if timeout_s > 0:
+            self.thread.start()
+
+    def progress(self, step: int):
+        self.step, self.last_progress = step, time.monotonic()
+
+    def watch(self):
+        interval, awake = min(5.0, self.timeout_s / 10), time.monotonic()
+        while not self.closed.wait(interval):
+            # A wake-up long overdue: this whole process did not run (SIGSTOP, then the SIGCONT
+            # that mpirun sends before it ends a job; a suspended host). It is the stalled one.
+            now = time.monotonic()
+            frozen, awake = now - awake - interval, now
+            idle = now - self.last_progress
+            if idle > self.timeout_s:
+                print(self.report(idle, frozen if frozen > self.timeout_s / 2 else 0.0), file=sys.stderr, flush=True)
+                time.sleep(2.0)  # so that every worker has said where it is before the launcher ends them
+                os._exit(STALLED_EXIT_CODE)
+
+    def report(self, idle: float, frozen: float = 0.0) -> str:
+        since = f"no step finished for {idle:.0f} s after step {self.step} (horovod.stall_timeout_s={self.timeout_s:g})"
+        if frozen:
+            return f"{STALLED}rank {self.rank} is stuck: {since}; it did not run for {frozen:.0f} s (stopped, or its host suspended)"
+        frame = sys._current_frames().get(self.watched)
+        stack = traceback.extract_stack(frame) if frame is not None else []
+        collective = tuple(filter(None, map(_package_folder, COLLECTIVE_PACKAGES)))
+        waits = [f for f in stack if collective and f.filename.startswith(collective)]
+        ours = [f for f in stack if f.filename.startswith(_package_folder("hvdtrain"))]
+        caller = _where(ours[-1] if ours else stack[-1] if stack else None)
+        if waits:
+            return f"{STALLED}rank {self.rank} is waiting for the others: {since}; in {waits[0].name}, called from {caller}"
+        inner = _where(stack[-1] if stack else None)
+        where = inner if inner == caller else f"{inner}, called from {caller}"
+        return f"{STALLED}rank {self.rank} is stuck: {since}; in {where}"
+
+    def close(self):
+        self.closed.set()
+
+
+def _package_folder(name: str) -> str | None:
+    """Where an imported package's files are, ending with a separator; None if not imported."""
+    module = sys.modules.get(name)
+    return os.path.dirname(module.__file__) + os.sep if module is not None else None
+
+
+def _where(frame: traceback.FrameSummary | None) -> str:
+    """`function (hvdtrain/train.py:123)`: the path from the top package's folder on."""
+    if frame is None:
+        return "?"
+    for name in ("hvdtrain", "horovod", "torch"):
+        folder = _package_folder(name)
+        if folder and frame.filename.startswith(folder):
+            return f"{frame.name} ({os.path.relpath(frame.filename, os.path.dirname(folder.rstrip(os.sep)))}:{frame.lineno})"
+    return f"{frame.name} ({os.path.basename(frame.filename)}:{frame.lineno})"

@@ -36,7 +36,7 @@ from hvdtrain.optimizers import build_optimizer
 from hvdtrain.paths import check_writable_folder
 from hvdtrain.profiling import Profiler
 from hvdtrain.run_control import (PREEMPTED_EXIT_CODE, NonFiniteGuard, PreemptionSignal, RunStopped,
-                                  mark_preempted)
+                                  StallWatchdog, mark_preempted)
 from hvdtrain.run_log import RunLog
 from hvdtrain.sampler import EvalSampler, StreamSampler
 from hvdtrain.step_timer import StepTimer
@@ -274,6 +274,9 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
                                              stages=layout.stages if layout else 1)
     guard = NonFiniteGuard(device, t.max_bad_steps)
     preemption = PreemptionSignal()
+    # A stalled worker ends the job instead of leaving the others waiting for ever. In an elastic
+    # job Horovod's driver deals with lost workers (Gloo's timeout starts a reset).
+    watchdog = StallWatchdog(cfg.horovod.stall_timeout_s if commit is None else 0, world.rank)
     batches = iter(loader)
     step_losses, step_targets = [], []  # this log interval: local loss sums and global target counts
 
@@ -289,6 +292,7 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
             if log is not None:
                 log.eval_record({"step": 0, **result})
             timer.reset()
+            watchdog.progress(0)
 
         last_step = last_step_of_run(t, state.step)
         while state.step < last_step:
@@ -356,6 +360,7 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
             step_losses.append(loss_sum)
             step_targets.append(global_targets)
             done = state.step
+            watchdog.progress(done)
 
             # 4. log, evaluate, checkpoint; all ranks stop together when one was asked to
             if done % cfg.log.every == 0 or done == last_step or stop:
@@ -379,12 +384,14 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
                 if log is not None:
                     log.eval_record({"step": done, **result})
                 timer.reset()  # evaluation time is not training step time
+                watchdog.progress(done)
             checkpoint_due = (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == last_step or stop
             if commit is not None and (done % cfg.elastic.commit_every == 0 or checkpoint_due):
                 commit()  # in memory; raises when workers were added or lost (elastic jobs only)
             if checkpoint_due:
                 state.save()
                 timer.reset()
+                watchdog.progress(done)
             if stop:
                 world.print(f"hvdtrain: preempted (a worker received a stop signal): checkpoint of step {done} "
                             f"written; run the same command again to continue")
@@ -392,6 +399,7 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
                 raise RunStopped(f"preempted at step {done}", PREEMPTED_EXIT_CODE)
     finally:  # also when a step fails: files closed, traces and timeline flushed, the collector back on
         gc.enable()
+        watchdog.close()
         if groups is not None:
             groups.close()
         preemption.close()

@@ -46,9 +46,14 @@ SHARED_CORES = {"OMPI_MCA_mpi_yield_when_idle": "1"}
 
 
 def run_cmd(args: list, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    full_env = dict(os.environ, **OFFLINE, **SHARED_CORES, **(env or {}))
-    return subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=timeout, env=full_env,
-                          cwd=REPO)
+    return subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, **OFFLINE, **SHARED_CORES, **(env or {})), cwd=REPO)
+
+
+def start_cmd(args: list, env: dict | None = None) -> subprocess.Popen:
+    """run_cmd's command, started: the test acts on it while it runs."""
+    return subprocess.Popen([str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, **OFFLINE, **SHARED_CORES, **(env or {})), cwd=REPO)
 
 
 def hvdtrain(*args, **kw) -> subprocess.CompletedProcess:

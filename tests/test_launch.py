@@ -60,10 +60,10 @@ def tagged(prefix: str, text: str) -> str:
     return "".join(prefix + line for line in text.splitlines(keepends=True))
 
 
-def relay(output: str, returncode: int, hosts: list[str] = ()) -> tuple[int, str, str]:
+def relay(output: str, returncode: int, hosts: list[str] = (), world_size: int = 2) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of `hvdtrain launch` for this horovodrun output."""
     out, err = io.StringIO(), io.StringIO()
-    r = Relay(list(hosts), out=out, err=err)
+    r = Relay(list(hosts), world_size, out=out, err=err)
     for line in output.splitlines(keepends=True):
         r.feed(line)
     return r.finish(returncode), out.getvalue(), err.getvalue()
@@ -179,6 +179,31 @@ def test_a_run_stopped_on_purpose_keeps_its_exit_code():
               "Process 0 exit with status code 75.\nProcess 1 exit with status code 75.\n"
               + HOROVODRUN_WORKERS_FAILED.format(rank=0, code=75))
     assert relay(output, 1) == (75, "", "hvdtrain: stopped: SIGTERM received; checkpoint written at step 4\n")
+
+
+WAITING = ("[{rank}]<stderr>:hvdtrain: stalled: rank {rank} is waiting for the others: no step finished for 5 s "
+           "after step 3 (horovod.stall_timeout_s=5); in synchronize, called from run_steps "
+           "(hvdtrain/train.py:327)\n")
+
+
+def test_a_stopped_worker_is_named_as_the_one_the_others_waited_for():
+    output = (WAITING.format(rank=0) + WAITING.format(rank=2) + "Process 0 exit with status code 4.\n"
+              "Process 2 exit with status code 4.\nProcess 1 exit with status code -9.\n"
+              + HOROVODRUN_WORKERS_FAILED.format(rank=0, code=4))
+    assert relay(output, 1, world_size=3) == (
+        4, "", "hvdtrain: error: worker 1 stalled: the other workers waited for it in a collective operation, "
+               "no step finished for 5 s after step 3 (horovod.stall_timeout_s=5); it was stopped, or its host "
+               "hung or lost its network\n")
+
+
+def test_a_stuck_worker_says_where_it_is_stuck():
+    output = ("[1]<stderr>:hvdtrain: stalled: rank 1 is stuck: no step finished for 5 s after step 0 "
+              "(horovod.stall_timeout_s=5); in read (hvdtrain/data/streams.py:80), called from run_steps "
+              "(hvdtrain/train.py:300)\n" + WAITING.format(rank=0) + "Process 1 exit with status code 4.\n"
+              + HOROVODRUN_WORKERS_FAILED.format(rank=1, code=4))
+    assert relay(output, 1) == (
+        4, "", "hvdtrain: error: worker 1 stalled: no step finished for 5 s after step 0 (horovod.stall_timeout_s=5); "
+               "in read (hvdtrain/data/streams.py:80), called from run_steps (hvdtrain/train.py:300)\n")
 
 
 def test_after_a_successful_run_nothing_is_lost():

@@ -1,12 +1,16 @@
 """A run stops early on purpose, with real workers: a preemption signal to one rank makes all
 of them checkpoint and exit (then the same command resumes exactly); non-finite steps are
-skipped and counted, and too many in a row stop the run."""
+skipped and counted, and too many in a row stop the run; a stalled worker ends the job, named."""
 import math
+import os
+import signal
+import time
 
+import psutil
 import pytest
 
-from helpers import (WORKERS, assert_same_losses, assert_same_params, horovodrun, load_params, read_metrics,
-                     step_losses, train_workers)
+from helpers import (BIN, WORKERS, assert_same_losses, assert_same_params, horovodrun, hvdtrain, load_params,
+                     read_metrics, start_cmd, step_losses, train_workers)
 from hvdtrain import checkpoint
 
 pytestmark = pytest.mark.workers
@@ -55,3 +59,71 @@ def test_too_many_non_finite_steps_in_a_row_stop_the_run(tmp_path, tiny_config):
     for path in checkpoint.list_checkpoints(out):
         from safetensors.torch import load_file
         assert all(bool(t.isfinite().all()) for t in load_file(str(path / "model.safetensors")).values())
+
+
+# ---------------------------------------------------------------- stalled workers
+
+STALL_TIMEOUT = 6  # seconds: a tiny step takes milliseconds, the first evaluation well under a second
+
+
+def test_a_stuck_worker_ends_the_job_with_one_line_saying_where(tmp_path, tiny_config):
+    """The test aid train.slow_ranks makes rank 1 sleep in its step: it is stuck, rank 0 waits."""
+    config = tiny_config({"train": {"max_steps": 50, "slow_ranks": [1], "slow_seconds": 600},
+                          "horovod": {"stall_timeout_s": STALL_TIMEOUT}})
+    start = time.monotonic()
+    proc = hvdtrain("launch", "--gloo", "-np", "2", config, f"out_dir={tmp_path / 'run'}", timeout=120)
+    assert time.monotonic() - start < STALL_TIMEOUT + 40
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    assert proc.stderr.startswith(f"hvdtrain: error: worker 1 stalled: no step finished for {STALL_TIMEOUT} s after "
+                                  f"step 0 (horovod.stall_timeout_s={STALL_TIMEOUT}); in run_steps (hvdtrain/train.py:")
+    assert proc.stderr.count("\n") == 1, proc.stderr
+
+
+def worker_pid(rank: int, out_dir) -> int:
+    """The pid of the worker of this rank (under horovodrun --gloo or --mpi) training into out_dir."""
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            env = p.environ()
+        except (psutil.AccessDenied, psutil.NoSuchProcess):
+            continue
+        if f"out_dir={out_dir}" in (p.info["cmdline"] or []) and str(rank) in (
+                env.get("HOROVOD_RANK"), env.get("OMPI_COMM_WORLD_RANK")) and "hvdtrain.cli" in p.info["cmdline"]:
+            return p.pid
+    raise AssertionError(f"no worker of rank {rank} training into {out_dir}")
+
+
+def steps_logged(out_dir) -> int:
+    metrics = out_dir / "metrics.jsonl"
+    return metrics.read_text().count('"tokens_per_s"') if metrics.exists() else 0
+
+
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_a_worker_stopped_from_outside_ends_the_job_naming_its_rank(tmp_path, tiny_config, controller):
+    """SIGSTOP to rank 1 mid-run: rank 0 waits in a collective that never completes (under MPI
+    for ever, under Gloo until its timeout, which hvdtrain sets past the stall timeout)."""
+    config = tiny_config({"train": {"max_steps": 100_000}, "horovod": {"stall_timeout_s": STALL_TIMEOUT}})
+    out = tmp_path / "run"
+    launch = start_cmd([BIN / "hvdtrain", "launch", f"--{controller}", "-np", "2", config, f"out_dir={out}"])
+    stopped = None
+    try:
+        deadline = time.monotonic() + 120
+        while steps_logged(out) < 3:
+            assert launch.poll() is None and time.monotonic() < deadline, launch.communicate()
+            time.sleep(0.2)
+        stopped = worker_pid(1, out)
+        os.kill(stopped, signal.SIGSTOP)
+        start = time.monotonic()
+        _, stderr = launch.communicate(timeout=STALL_TIMEOUT + 60)
+        assert time.monotonic() - start < STALL_TIMEOUT + 40
+        assert launch.returncode == 4, stderr[-3000:]
+        # Named by rank 0, which waited for it; under MPI rank 1 may say it itself: mpirun sends
+        # SIGCONT before it ends a job, and the watchdog then finds that it did not run.
+        said = ("the other workers waited for it in a collective operation, no step finished for "
+                f"{STALL_TIMEOUT} s after step ", "no step finished for ")
+        assert stderr.startswith(tuple(f"hvdtrain: error: worker 1 stalled: {s}" for s in said)), stderr
+        assert "did not run" in stderr or said[0] in stderr, stderr
+        assert stderr.count("\n") == 1, stderr
+    finally:
+        launch.kill()
+        if stopped is not None and psutil.pid_exists(stopped):
+            os.kill(stopped, signal.SIGKILL)
