@@ -18,6 +18,7 @@ from pathlib import Path
 
 from hvdtrain.errors import UserError
 from hvdtrain.metrics import PHASES, read_metrics
+from hvdtrain.paths import check_writable_folder
 
 TOP_OPERATORS = 10
 
@@ -208,6 +209,7 @@ def plot(run_dir: Path, train: list[dict], evals: list[dict], s: dict) -> list[P
 def run_report(args) -> int:
     run_dir = Path(args.run_dir)
     train, evals = read_metrics(run_dir)
+    check_writable_folder(run_dir / "report", "report folder")  # before the summary: nothing half done
     summary = summarize(run_dir, train, evals)
     print_summary(summary)
     written = plot(run_dir, train, evals, summary)

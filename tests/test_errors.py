@@ -156,3 +156,23 @@ def test_a_checkpoint_write_that_fails_half_way_keeps_the_earlier_ones(tmp_path,
     assert checkpoint.newest_intact_checkpoint(out).name == "step_00000004"
     assert hvdtrain("train", config, f"out_dir={out}").returncode == 0
     assert checkpoint.newest_intact_checkpoint(out).name == "step_00000008"
+
+
+def test_every_path_a_user_gives_is_checked_before_anything_is_written(tmp_path, tiny_config):
+    """Missing, or a file where a folder is needed: one line naming it, exit code 2."""
+    config, out, missing = tiny_config(), tmp_path / "run", tmp_path / "missing"
+    a_file, empty = tmp_path / "a-file", tmp_path / "empty"
+    a_file.write_text("mine")
+    empty.mkdir()
+    cases = [
+        (["train", config, f"out_dir={out}", "data.source=builtin", f"data.cache_dir={a_file}"],
+         ["data.cache_dir", "is a file"]),
+        (["train", config, f"out_dir={out}", f"data.source={empty}"], ["data.source", "has no"]),
+        (["train", config, f"out_dir={out}", f"model.pretrained={missing}"], ["model.pretrained", str(missing)]),
+        (["train", config, f"out_dir={out}", f"model.pretrained={a_file}"], ["model.pretrained", str(a_file)]),
+        (["export", missing, out], [str(missing)]),
+        (["report", missing], [str(missing)]),
+    ]
+    for args, words in cases:
+        assert_one_line_error(hvdtrain(*args), words, out)
+    assert a_file.read_text() == "mine" and not list(empty.iterdir())

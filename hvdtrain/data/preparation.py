@@ -34,6 +34,7 @@ from hvdtrain.data.token_files import FORMAT, INDEX, read_index, read_json, toke
 from hvdtrain.data.tokenizer import load_or_train_tokenizer, tokenizer_fingerprint
 from hvdtrain.data.tokenizing import TokenizingProcesses
 from hvdtrain.errors import UserError
+from hvdtrain.paths import check_writable_folder
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ def plan(cfg: Config) -> Plan:
     """What preparing `cfg`'s data means: the corpus, the tokenizer (trained now on a sample of
     the corpus if it is not cached yet) and the folder of the token files."""
     root = cache_root(cfg.data)
+    check_writable_folder(root, "data.cache_dir")
     data, arch = cfg.data, cfg.model.arch
     if data.tokenizer == "train" and cfg.model.pretrained:
         data = dataclasses.replace(data, tokenizer=cfg.model.pretrained)  # continue with the model's own
