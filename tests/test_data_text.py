@@ -2,7 +2,11 @@
 order, read to its end; held-out documents are a fixed fraction; every mistake is a one-line
 UserError naming the key or path."""
 import os
+import pwd
 import re
+import shutil
+import tempfile
+from pathlib import Path
 
 import datasets
 import huggingface_hub
@@ -99,6 +103,26 @@ def test_a_missing_path_is_named(tmp_path, monkeypatch, source):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError, match=re.escape(f"data.source '{source}'")):
         load(tmp_path, source)
+
+
+def test_an_unreadable_file_is_named():
+    """Tests run as root here, who reads everything: the check runs as the user nobody."""
+    folder = Path(tempfile.mkdtemp())  # not under pytest's tmp_path, which only root may enter
+    try:
+        folder.chmod(0o755)
+        secret = folder / "secret.txt"
+        secret.write_text("words\n")
+        secret.chmod(0)
+        if os.geteuid() == 0:
+            os.seteuid(pwd.getpwnam("nobody").pw_uid)
+        try:
+            with pytest.raises(UserError, match=re.escape(f"data.source '{folder}': {secret} is not readable")):
+                load(folder, folder)
+        finally:
+            if os.getuid() == 0:
+                os.seteuid(0)
+    finally:
+        shutil.rmtree(folder)
 
 
 def test_an_unsupported_file_type_is_named(tmp_path):

@@ -16,6 +16,7 @@ fraction of the training documents for validation.
 """
 import glob
 import hashlib
+import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,6 +196,10 @@ def _local_files(source: str) -> list[str]:
     if unsupported:
         raise UserError(f"data.source '{source}': unsupported file type {', '.join(unsupported)} "
                         f"(supported: {' '.join(BUILDERS)})")
+    unreadable = [p for p in files if not os.access(p, os.R_OK, effective_ids=True)]  # as open() will
+    if unreadable:
+        more = f" (and {len(unreadable) - 1} more files)" if len(unreadable) > 1 else ""
+        raise UserError(f"data.source '{source}': {unreadable[0]} is not readable{more}")
     builders = {BUILDERS[p.suffix] for p in files}
     if len(builders) > 1:
         found = sorted({p.suffix for p in files})
