@@ -22,6 +22,11 @@ matches FusedLAMB's defaults: bias-corrected moments, decoupled weight decay ins
 ratio (adam_w_mode=True), eps outside the square root; its clipping to a global gradient norm
 of 1.0 is train.grad_clip here, applied before the step.
 
+A step with non-finite gradients is skipped on the device, as fused AdamW skips one: when
+`found_inf` (set by hvdtrain's NonFiniteGuard, or by a GradScaler) is 1, the step changes
+neither the parameters nor the moments nor the step count, with no read of the flag on the
+host, so a GPU step does not wait for it.
+
 Written here because no maintained LAMB on PyPI installs without apex or torchvision; it is
 small and checked against the formula in tests/test_lamb.py.
 """
@@ -29,6 +34,11 @@ import torch
 
 
 class Lamb(torch.optim.Optimizer):
+    _step_supports_amp_scaling = True  # reads found_inf and grad_scale itself (see GradScaler.step)
+    # Set on the instance for one step (GradScaler deletes them after it), else these defaults:
+    found_inf = None  # a 0/1 tensor: skip this step where it is 1
+    grad_scale = None  # a GradScaler's scale when the gradients are still scaled
+
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
@@ -42,20 +52,26 @@ class Lamb(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                     state["exp_avg"] = torch.zeros_like(p)
                     state["exp_avg_sq"] = torch.zeros_like(p)
-                state["step"] += 1
-                t = state["step"].item()
+                grad = p.grad if self.grad_scale is None else p.grad / self.grad_scale
+                # take = 1, or 0 for a skipped step: the moments then keep their values
+                # (beta 1, nothing added) and so do the step count and the parameter.
+                take = 1.0 if self.found_inf is None else 1.0 - self.found_inf.to(p.device, torch.float32)
+                if self.found_inf is not None:
+                    grad = torch.where(take > 0, grad, 0.0)  # inf or NaN times 0 would still be NaN
+                state["step"] = state["step"].to(p.device)  # a resumed state has it on the CPU
+                t = state["step"].add_(take)
                 m, v = state["exp_avg"], state["exp_avg_sq"]
-                m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
-                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                m.mul_(1 - (1 - beta1) * take).add_(grad, alpha=1 - beta1)
+                v.mul_(1 - (1 - beta2) * take).addcmul_(grad, grad, value=1 - beta2)
                 update = (m / (1 - beta1 ** t)) / ((v / (1 - beta2 ** t)).sqrt_().add_(group["eps"]))
                 if group["weight_decay"] == 0:  # no decay, no trust ratio (FusedLAMB, use_nvlamb=False)
-                    p.sub_(update, alpha=group["lr"])
+                    p.sub_(update * (group["lr"] * take))
                     continue
                 update.add_(p, alpha=group["weight_decay"])
                 w_norm, u_norm = p.norm(), update.norm()
                 trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
-                p.sub_(update * (group["lr"] * trust))
+                p.sub_(update * (group["lr"] * trust * take))
         return loss

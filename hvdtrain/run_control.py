@@ -7,7 +7,7 @@ same step boundary, write a checkpoint and exit with PREEMPTED_EXIT_CODE; rerunn
 command resumes exactly.
 
 Non-finite steps: a step whose gradient norm is inf or NaN (a loss spike, a bad batch) is
-skipped, as fp16's grad scaler skips one, and counted. On a GPU with fused AdamW the skip is
+skipped, as fp16's grad scaler skips one, and counted. On a GPU with fused AdamW or LAMB the skip is
 decided on the device (the optimizer's `found_inf`), so the check adds no synchronisation;
 the counts are read at log points. After `train.max_bad_steps` in a row the run stops.
 
@@ -86,7 +86,7 @@ class NonFiniteGuard:
         self.skipped += bad
         self.in_a_row = (self.in_a_row + bad) * bad
         if getattr(optimizer, "_step_supports_amp_scaling", False) and bad.is_cuda:
-            optimizer.found_inf = bad  # fused AdamW skips the update on the device
+            optimizer.found_inf = bad  # fused AdamW and LAMB skip the update on the device
             optimizer.step()
             optimizer.found_inf = None
         elif not bad.item():  # on the CPU reading the flag costs nothing

@@ -66,3 +66,24 @@ def test_zero_weights_use_trust_ratio_one():
     p.grad = torch.ones(3)
     Lamb([p], lr=0.1, weight_decay=0.01).step()
     assert torch.allclose(p.detach(), torch.full((3,), -0.1), atol=1e-5)
+
+
+def test_a_step_flagged_non_finite_changes_nothing_and_the_next_continues_as_if_it_never_was():
+    """found_inf, as NonFiniteGuard sets it on a GPU: the skip is decided without reading it."""
+    torch.manual_seed(0)
+    w0 = torch.randn(5, 4)
+    grads = [torch.randn(5, 4) for _ in range(3)]
+    p = torch.nn.Parameter(w0.clone())
+    opt = Lamb([p], lr=0.01, weight_decay=0.01)
+    for i, g in enumerate(grads):
+        if i == 1:  # a NaN step in between, flagged
+            p.grad = torch.full_like(g, float("nan"))
+            opt.found_inf = torch.ones(())
+            before = {k: v.clone() for k, v in opt.state[p].items()}, p.detach().clone()
+            opt.step()
+            assert all(torch.equal(before[0][k], v) for k, v in opt.state[p].items())
+            assert torch.equal(before[1], p.detach())
+        p.grad = g.clone()
+        opt.found_inf = torch.zeros(())
+        opt.step()
+    assert torch.allclose(p.detach(), reference_lamb(w0, grads, 0.01, (0.9, 0.999), 1e-6, 0.01), atol=1e-6)

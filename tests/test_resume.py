@@ -11,8 +11,11 @@ pytestmark = pytest.mark.workers
 STEPS, HALF = 8, 4
 
 
-def test_stop_and_resume_equals_straight_run(tmp_path, tiny_config):
-    config = tiny_config({"train": {"max_steps": STEPS}, "checkpoint": {"every": 2, "keep": 2}})
+@pytest.mark.parametrize("optimizer,precision", [("adamw", "fp32"), ("lamb", "fp16")])
+def test_stop_and_resume_equals_straight_run(tmp_path, tiny_config, optimizer, precision):
+    """LAMB under fp16: its step takes the GradScaler's found_inf itself, and its state resumes."""
+    config = tiny_config({"train": {"max_steps": STEPS, "optimizer": optimizer, "precision": precision},
+                          "checkpoint": {"every": 2, "keep": 2}})
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train_workers(2, config, f"out_dir={straight}")
     train_workers(2, config, f"out_dir={resumed}", f"train.stop_at_step={HALF}")
