@@ -16,10 +16,18 @@ from hvdtrain.paths import check_writable_folder, written_whole
 def save_hf(model, tokenizer_dir: Path | None, out: Path):
     """Written into a temporary folder first, then moved in file by file: a failed write (a
     full disk) leaves `out` as it was, not a folder that looks complete."""
+    from transformers.utils import logging as hf_logging
+
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # "Writing model shards" would stand between the run's lines or before an error
     with written_whole(f"the Hugging Face folder {out}", tmp):
-        model.save_pretrained(tmp, safe_serialization=True)
+        try:
+            model.save_pretrained(tmp, safe_serialization=True)
+        finally:
+            if bar:
+                hf_logging.enable_progress_bar()
         if tokenizer_dir is not None and tokenizer_dir.is_dir():
             for f in tokenizer_dir.iterdir():
                 shutil.copy2(f, tmp / f.name)

@@ -176,3 +176,18 @@ def test_every_path_a_user_gives_is_checked_before_anything_is_written(tmp_path,
     for args, words in cases:
         assert_one_line_error(hvdtrain(*args), words, out)
     assert a_file.read_text() == "mine" and not list(empty.iterdir())
+
+
+def test_an_export_that_fails_half_way_leaves_nothing_behind_and_the_run_intact(tmp_path, tiny_config):
+    """A file-size limit (as a full disk would) stops the export's weights half way."""
+    from hvdtrain import checkpoint
+    out, target = tmp_path / "run", tmp_path / "exported"
+    assert hvdtrain("train", tiny_config(), f"out_dir={out}").returncode == 0
+    size_kb = (out / "hf" / "model.safetensors").stat().st_size // 1024
+    proc = run_cmd(["bash", "-c", f"ulimit -f {size_kb // 2} && exec {BIN / 'hvdtrain'} export {out} {target}"])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"could not write the Hugging Face folder {target}" in lines[0], proc.stderr
+    assert not target.exists() and not list(tmp_path.glob(".exported*"))
+    assert checkpoint.problem(checkpoint.newest_intact_checkpoint(out)) is None
+    assert hvdtrain("export", out, target).returncode == 0 and (target / "model.safetensors").is_file()
