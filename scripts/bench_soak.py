@@ -7,10 +7,11 @@ It runs `hvdtrain launch -np 2 recipes/gpt-tiny.yaml` with an evaluation and a c
 descriptors and threads every second, and reads the step reached from metrics.jsonl. It
 prints, per worker, those figures at the end of warm-up (the first --every steps: the first
 evaluation and checkpoint have run, every buffer has been allocated once) and at the end of
-the run; the largest RSS of each is taken over a window of 10% of the steps, so that the
-collector's swings do not count as growth. After the run it lists what was left behind: worker
-processes still alive, new entries in the temporary folder and in /dev/shm, and `.tmp-` or
-`.old-` folders in the run folder. Target: RSS growth under 5% after warm-up, nothing left.
+the run, each over a window of 10% of the steps: the largest RSS, so that the collector's
+swings do not count as growth, and the fewest files and threads, what stays open. After the
+run it lists what was left behind: worker processes still alive, new entries in the temporary
+folder and in /dev/shm, and `.tmp-` or `.old-` folders in the run folder. Target: RSS growth
+under 5% after warm-up, nothing left.
 """
 import argparse
 import json
@@ -90,7 +91,9 @@ def soak(steps: int, every: int, folder: Path) -> dict:
 
 
 def summarize(result: dict) -> list[dict]:
-    """Per worker: RSS, fds and threads after warm-up and at the end (largest in each window)."""
+    """Per worker: RSS after warm-up and at the end, the largest in each window; open files and
+    threads, the fewest in each window (what stays open, not a checkpoint's file being written).
+    The end window stops before the last step: then the run writes its last checkpoint and exits."""
     steps, window = result["steps"], int(result["steps"] * WINDOW)
     warm_from = result["every"] + 1  # the first evaluation and checkpoint are done
     rows = []
@@ -99,13 +102,13 @@ def summarize(result: dict) -> list[dict]:
     for worker in sorted({s["worker"] for s in result["samples"]}):
         mine = [s for s in result["samples"] if s["worker"] == worker]
         warm = [s for s in mine if warm_from <= s["step"] <= warm_from + window]
-        end = [s for s in mine if s["step"] >= steps - window]
+        end = [s for s in mine if steps - window <= s["step"] < steps]
         if not warm or not end:
             raise SystemExit(f"worker {worker}: no samples after warm-up or at the end (steps seen: "
                              f"{sorted({s['step'] for s in mine})}); a run this short measures nothing")
         row = {"worker": worker}
-        for key in ("rss_mb", "fds", "threads"):
-            row[f"{key}_warm"], row[f"{key}_end"] = max(s[key] for s in warm), max(s[key] for s in end)
+        for key, pick in (("rss_mb", max), ("fds", min), ("threads", min)):
+            row[f"{key}_warm"], row[f"{key}_end"] = pick(s[key] for s in warm), pick(s[key] for s in end)
         row["rss_growth"] = row["rss_mb_end"] / row["rss_mb_warm"] - 1
         rows.append(row)
     return rows
