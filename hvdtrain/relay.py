@@ -28,6 +28,12 @@ STALL_LINE = re.compile(re.escape(STALLED) + r"rank \d+ is (waiting for the othe
 TRACEBACK = "Traceback (most recent call last):"
 # What a worker reports when it stops because another worker failed first.
 ECHOES = ("Horovod has been shut down", "Horovod background loop uncaught exception")
+# Open MPI's shared-memory transport when the worker it was reading from has exited (ESRCH).
+MPI_PEER_GONE = re.compile(r"Read -1, expected \d+, errno = 3$")
+
+
+def is_echo(line: str) -> bool:
+    return any(echo in line for echo in ECHOES) or bool(MPI_PEER_GONE.search(line.rstrip()))
 
 # What the shell running a worker says when the worker is stopped by a signal: the report of
 # the first failed worker says it better, and for the others it is only an echo.
@@ -60,7 +66,7 @@ class Message:
 
     @property
     def is_echo(self) -> bool:
-        return any(echo in line for line in self.lines for echo in ECHOES)
+        return any(is_echo(line) for line in self.lines)
 
 
 class Relay:
@@ -99,7 +105,7 @@ class Relay:
         elif text.startswith(TRACEBACK):
             self.open_traceback[rank] = Message(rank, [text])
             self.messages.append(self.open_traceback[rank])
-        elif text.startswith(ONE_LINERS) or any(echo in text for echo in ECHOES):
+        elif text.startswith(ONE_LINERS) or is_echo(text):
             self.messages.append(Message(rank, [text]))
         elif text.strip() not in SHELL_NOTES:
             self.last_line[rank] = text.strip()

@@ -113,11 +113,14 @@ class StallWatchdog:
       `hvdtrain: stalled: rank R is stuck: ...` anywhere else (the stalled rank itself), or
       when this process did not run itself (SIGSTOP; it says so once it runs again);
     then exits with STALLED_EXIT_CODE, and the launcher ends the other workers. A stopped worker
-    says nothing: `hvdtrain launch` names it as the one the others waited for (hvdtrain.relay)."""
+    says nothing: `hvdtrain launch` names it as the one the others waited for (hvdtrain.relay).
+    The first step may take FIRST_STEP_FACTOR times as long (as torchtitan's init timeout): it
+    compiles the model and connects NCCL's communicators."""
+    FIRST_STEP_FACTOR = 3
 
-    def __init__(self, timeout_s: float, rank: int):
+    def __init__(self, timeout_s: float, rank: int, step: int):
         self.timeout_s, self.rank = timeout_s, rank
-        self.step, self.last_progress = 0, time.monotonic()
+        self.first_step, self.step, self.last_progress = step, step, time.monotonic()
         self.watched = threading.get_ident()  # the training thread
         self.closed = threading.Event()
         self.thread = threading.Thread(target=self.watch, name="hvdtrain-stall-watchdog", daemon=True)
@@ -134,14 +137,14 @@ class StallWatchdog:
             # that mpirun sends before it ends a job; a suspended host). It is the stalled one.
             now = time.monotonic()
             frozen, awake = now - awake - interval, now
-            idle = now - self.last_progress
-            if idle > self.timeout_s:
-                print(self.report(idle, frozen if frozen > self.timeout_s / 2 else 0.0), file=sys.stderr, flush=True)
+            limit = self.timeout_s * (self.FIRST_STEP_FACTOR if self.step == self.first_step else 1)
+            if now - self.last_progress > limit:
+                print(self.report(limit, frozen if frozen > self.timeout_s / 2 else 0.0), file=sys.stderr, flush=True)
                 time.sleep(2.0)  # so that every worker has said where it is before the launcher ends them
                 os._exit(STALLED_EXIT_CODE)
 
-    def report(self, idle: float, frozen: float = 0.0) -> str:
-        since = f"no step finished for {idle:.0f} s after step {self.step} (horovod.stall_timeout_s={self.timeout_s:g})"
+    def report(self, limit: float, frozen: float = 0.0) -> str:
+        since = f"no step finished in {limit:g} s after step {self.step} (horovod.stall_timeout_s={self.timeout_s:g})"
         if frozen:
             return f"{STALLED}rank {self.rank} is stuck: {since}; it did not run for {frozen:.0f} s (stopped, or its host suspended)"
         frame = sys._current_frames().get(self.watched)

@@ -274,9 +274,6 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
                                              stages=layout.stages if layout else 1)
     guard = NonFiniteGuard(device, t.max_bad_steps)
     preemption = PreemptionSignal()
-    # A stalled worker ends the job instead of leaving the others waiting for ever. In an elastic
-    # job Horovod's driver deals with lost workers (Gloo's timeout starts a reset).
-    watchdog = StallWatchdog(cfg.horovod.stall_timeout_s if commit is None else 0, world.rank)
     batches = iter(loader)
     step_losses, step_targets = [], []  # this log interval: local loss sums and global target counts
 
@@ -286,6 +283,9 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
     gc.collect()
     gc.freeze()
     gc.disable()
+    # A stalled worker ends the job instead of leaving the others waiting for ever. In an elastic
+    # job Horovod's driver deals with lost workers (Gloo's timeout starts a reset).
+    watchdog = StallWatchdog(cfg.horovod.stall_timeout_s if commit is None else 0, world.rank, state.step)
     try:
         if state.step == 0:  # the baseline every later evaluation is compared with
             result = evaluate(model, eval_loader, device, autocast, pipe)

@@ -181,7 +181,7 @@ def test_a_run_stopped_on_purpose_keeps_its_exit_code():
     assert relay(output, 1) == (75, "", "hvdtrain: stopped: SIGTERM received; checkpoint written at step 4\n")
 
 
-WAITING = ("[{rank}]<stderr>:hvdtrain: stalled: rank {rank} is waiting for the others: no step finished for 5 s "
+WAITING = ("[{rank}]<stderr>:hvdtrain: stalled: rank {rank} is waiting for the others: no step finished in 5 s "
            "after step 3 (horovod.stall_timeout_s=5); in synchronize, called from run_steps "
            "(hvdtrain/train.py:327)\n")
 
@@ -192,17 +192,28 @@ def test_a_stopped_worker_is_named_as_the_one_the_others_waited_for():
               + HOROVODRUN_WORKERS_FAILED.format(rank=0, code=4))
     assert relay(output, 1, world_size=3) == (
         4, "", "hvdtrain: error: worker 1 stalled: the other workers waited for it in a collective operation, "
-               "no step finished for 5 s after step 3 (horovod.stall_timeout_s=5); it was stopped, or its host "
+               "no step finished in 5 s after step 3 (horovod.stall_timeout_s=5); it was stopped, or its host "
                "hung or lost its network\n")
 
 
+def test_a_stopped_worker_that_says_so_itself_is_named_without_open_mpi_s_echo():
+    """Under MPI the stopped worker runs again (mpirun sends SIGCONT before it ends a job); its
+    shared-memory read from the worker that already exited fails, which is only an echo."""
+    output = ("[1,1]<stderr>:[vm:01939] Read -1, expected 15680, errno = 3\n" + WAITING.format(rank=0) +
+              "[1,1]<stderr>:hvdtrain: stalled: rank 1 is stuck: no step finished in 6 s after step 10 "
+              "(horovod.stall_timeout_s=6); it did not run for 8 s (stopped, or its host suspended)\n" + MPIRUN_WORKER_FAILED)
+    code, out, err = relay(output, 1)
+    assert err == ("hvdtrain: error: worker 1 stalled: no step finished in 6 s after step 10 (horovod.stall_timeout_s=6); "
+                   "it did not run for 8 s (stopped, or its host suspended)\n")
+
+
 def test_a_stuck_worker_says_where_it_is_stuck():
-    output = ("[1]<stderr>:hvdtrain: stalled: rank 1 is stuck: no step finished for 5 s after step 0 "
+    output = ("[1]<stderr>:hvdtrain: stalled: rank 1 is stuck: no step finished in 5 s after step 0 "
               "(horovod.stall_timeout_s=5); in read (hvdtrain/data/streams.py:80), called from run_steps "
               "(hvdtrain/train.py:300)\n" + WAITING.format(rank=0) + "Process 1 exit with status code 4.\n"
               + HOROVODRUN_WORKERS_FAILED.format(rank=1, code=4))
     assert relay(output, 1) == (
-        4, "", "hvdtrain: error: worker 1 stalled: no step finished for 5 s after step 0 (horovod.stall_timeout_s=5); "
+        4, "", "hvdtrain: error: worker 1 stalled: no step finished in 5 s after step 0 (horovod.stall_timeout_s=5); "
                "in read (hvdtrain/data/streams.py:80), called from run_steps (hvdtrain/train.py:300)\n")
 
 
