@@ -7,9 +7,9 @@ same step boundary, write a checkpoint and exit with PREEMPTED_EXIT_CODE; rerunn
 command resumes exactly.
 
 Non-finite steps: a step whose gradient norm is inf or NaN (a loss spike, a bad batch) is
-skipped, as fp16's grad scaler skips one, and counted. On a GPU with fused AdamW or LAMB the skip is
-decided on the device (the optimizer's `found_inf`), so the check adds no synchronisation;
-the counts are read at log points. After `train.max_bad_steps` in a row the run stops.
+skipped, as fp16's grad scaler skips one, and counted. On a GPU with fused AdamW or LAMB the
+skip is decided on the device (the optimizer's `found_inf`), so the check adds no
+synchronisation; the counts are read at log points. After `train.max_bad_steps` in a row the run stops.
 
 Stalled workers: a worker that stops taking part (stuck in I/O, a deadlock, SIGSTOP) leaves the
 others waiting in their next collective for ever; Horovod's own stall check cannot end that,
