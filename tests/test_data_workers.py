@@ -56,6 +56,24 @@ def test_two_horovod_workers_write_the_files_one_process_writes(tmp_path, tiny_c
     assert files(pair) == files(alone)
 
 
+def test_workers_that_see_the_max_tokens_cut_at_different_pieces_write_the_one_process_files(tmp_path,
+                                                                                              tiny_config):
+    """data.max_tokens cuts the training split inside piece 2 or so of ~15. Member 1 starts only
+    once member 0 has tokenized all its pieces: member 0 never saw the cut reached (member 1's
+    pieces were missing) and read to the end, while member 1 sees it after a few pieces and
+    stops without tokenizing its later ones."""
+    config = tiny_config(TEXT)
+    cut = ("data.max_tokens=20000",)
+    alone = prepare_alone(config, tmp_path / "alone", *cut)
+    shutil.copytree(tmp_path / "alone" / "tokenizers", tmp_path / "pair" / "tokenizers")
+    proc = horovodrun(2, [WORKERS / "prepare_pieces.py", PIECES, config, f"data.cache_dir={tmp_path / 'pair'}",
+                          "data.num_proc=1", *cut], env={"PREPARE_AFTER_MEMBER_0": str(tmp_path / "member-0-done")})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    pair = prepared_folder(tmp_path / "pair")
+    assert pair.name == alone.name and 1 < len(list((alone / "train").iterdir())) < 10
+    assert files(pair) == files(alone)
+
+
 def test_a_killed_preparation_is_never_taken_for_complete(tmp_path, tiny_config, monkeypatch, caplog):
     config = tiny_config({**TEXT, "data": {**TEXT["data"], "source": str(tmp_path / "corpus.txt")}})
     (tmp_path / "corpus.txt").write_text("\n\n".join(list(builtin_corpus()["text"]) * 4))  # ~2 MB

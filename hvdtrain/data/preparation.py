@@ -116,7 +116,8 @@ def prepare(plan: Plan, group: Group = ALONE, num_proc: int | None = None, progr
 
 def _tokenize_share(plan: Plan, group: Group, num_proc: int, progress: bool) -> dict[str, int]:
     """Read the corpus and tokenize this member's pieces that are not done yet with `num_proc`
-    processes; returns how many pieces each stream had (up to the data.max_tokens cut)."""
+    processes; returns how many pieces of each stream it read (with data.max_tokens: up to
+    where it saw the cut reached, which differs between members)."""
     counts = {}
     with TokenizingProcesses(num_proc, plan.tokenizer.backend_tokenizer.to_str(), plan.separator,
                              token_dtype(len(plan.tokenizer))) as processes, \
@@ -181,12 +182,9 @@ def _write_index(plan: Plan, pieces_read: dict[str, int]) -> dict:
     """Gather the pieces' records into index.json, the last file written. With data.max_tokens,
     the training split ends inside the first piece that reaches it; pieces that members
     tokenized past that point are removed."""
-    records = {stream: [read_json(plan.folder / "pieces" / f"{stream}-{k:06d}.json") for k in range(n)]
+    records = {stream: _records(plan.folder, stream, n, plan.max_tokens if stream == "train" else None)
                for stream, n in pieces_read.items()}
-    if any(r is None for rs in records.values() for r in rs):
-        raise RuntimeError(f"{plan.folder}: a piece is missing after every worker finished")
     if plan.max_tokens:
-        records["train"] = _cut(records["train"], plan.max_tokens)
         _remove_pieces_after(plan.folder, len(records["train"]))
     splits = {split: {"documents": 0, "tokens": 0, "pieces": []} for split in SPLITS}
     for stream_records in records.values():
@@ -204,13 +202,23 @@ def _write_index(plan: Plan, pieces_read: dict[str, int]) -> dict:
     return index
 
 
-def _cut(records: list[dict], max_tokens: int) -> list[dict]:
-    """The shortest run of pieces from the first that holds max_tokens training tokens (or all)."""
-    total = 0
-    for k, record in enumerate(records):
-        total += record["splits"].get("train", {}).get("tokens", 0)
-        if total >= max_tokens:
-            return records[:k + 1]
+def _records(folder: Path, stream: str, count: int, max_tokens: int | None) -> list[dict]:
+    """The records of the stream's first `count` pieces, or with `max_tokens` of the shortest
+    run of them from the first that holds that many training tokens (or all).
+
+    The cut is decided here, from the records every member wrote, and only the pieces before it
+    must be there: each member stops reading where it sees the cut reached, which depends on
+    how far the others were at that moment, so a member that stopped early never tokenized its
+    later pieces that another member, stopping later, counted in `count`."""
+    records, tokens = [], 0
+    for k in range(count):
+        if max_tokens and tokens >= max_tokens:
+            break
+        record = read_json(folder / "pieces" / f"{stream}-{k:06d}.json")
+        if record is None:
+            raise RuntimeError(f"{folder}: piece {stream}-{k:06d} is missing after every worker finished")
+        records.append(record)
+        tokens += record["splits"].get("train", {}).get("tokens", 0)
     return records
 
 
