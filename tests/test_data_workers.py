@@ -1,6 +1,6 @@
 """Preparation and training from token files with real processes: two horovodrun workers write
 the files one process writes, a preparation killed half way is never taken for complete,
-a damaged token file stops `hvdtrain train` with one line and exit code 2, and training from
+damaged token files are refused with one line and exit code 2, and training from
 the token files is training from today's in-memory blocks."""
 import logging
 import os
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import OFFLINE, WORKERS, assert_same_losses, horovodrun, hvdtrain, run_cmd, step_losses
+from helpers import BIN, OFFLINE, WORKERS, assert_same_losses, horovodrun, hvdtrain, run_cmd, step_losses
 from hvdtrain.config import load_config
 from hvdtrain.data import build_data, preparation
 from hvdtrain.data.text import builtin_corpus
@@ -100,16 +100,29 @@ def test_a_killed_preparation_is_never_taken_for_complete(tmp_path, tiny_config,
     assert files(prepare_alone(config, tmp_path / "clean")) == files(folder)
 
 
-def test_a_damaged_token_file_stops_training_with_one_line(tmp_path, tiny_config):
-    """(Every kind of damage is checked in test_data_prepare.py; here the command's answer.)"""
+def test_damaged_token_files_are_refused_with_one_line(tmp_path, tiny_config):
+    """(Every kind of damage is checked in test_data_prepare.py; here the commands' answers.)
+    A start checks sizes and a sample of checksums: a truncated file stops `hvdtrain train`. A
+    flipped byte keeps the size: `hvdtrain prepare --verify` reads every file and finds it, also
+    when horovodrun's workers share the reading."""
     config = tiny_config(TEXT)
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
     folder = prepare_alone(config, tmp_path / "cache", pieces=str(preparation.PIECE_CHARS))  # as train cuts them
+    proc = horovodrun(2, [BIN / "hvdtrain", "prepare", "--verify", config, cache])
+    assert proc.returncode == 0 and "verified every token file" in proc.stdout + proc.stderr, proc.stderr[-2000:]
+
     piece = folder / "train" / "train-000000.bin"
     data = piece.read_bytes()
     piece.write_bytes(data[:100] + bytes([data[100] ^ 4]) + data[101:])
-    proc = hvdtrain("train", config, f"data.cache_dir={tmp_path / 'cache'}", f"out_dir={tmp_path / 'run'}")
+    proc = hvdtrain("prepare", "--verify", config, cache)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert proc.stderr.startswith(f"hvdtrain: error: token file {piece} does not match its checksum")
+    assert proc.stderr.startswith(f"hvdtrain: error: token file {piece} does not match its recorded checksum")
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+    piece.write_bytes(data[:-2])
+    proc = hvdtrain("train", config, cache, f"out_dir={tmp_path / 'run'}")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.startswith(f"hvdtrain: error: token file {piece} has {len(data) - 2} bytes")
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 

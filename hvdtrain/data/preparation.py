@@ -30,7 +30,8 @@ from transformers import PreTrainedTokenizerFast
 from hvdtrain.config import Config
 from hvdtrain.data.cache import cache_key, cache_root
 from hvdtrain.data.text import Corpus, open_corpus
-from hvdtrain.data.token_files import FORMAT, INDEX, read_index, read_json, token_dtype, write_json
+from hvdtrain.data.token_files import (FORMAT, INDEX, check_file, read_index, read_json, token_dtype,
+                                       verify_pieces, write_json)
 from hvdtrain.data.tokenizer import load_or_train_tokenizer, tokenizer_fingerprint
 from hvdtrain.data.tokenizing import TokenizingProcesses
 from hvdtrain.errors import UserError
@@ -98,18 +99,28 @@ def available_cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def prepare(plan: Plan, group: Group = ALONE, num_proc: int | None = None, progress: bool = True) -> dict:
-    """Make `plan.folder` complete (this member's share of the pieces, then the index) and
-    return its index; at once if it is complete already. Every member of `group` must call it."""
+def prepare(plan: Plan, group: Group = ALONE, num_proc: int | None = None, progress: bool = True,
+            verify: bool = False) -> dict:
+    """Make `plan.folder` complete (this member's share of the pieces, read back against their
+    checksums, then the index) and return its index; at once if it is complete already, after
+    reading every file of it back (shared by the members) with `verify`. Every member of
+    `group` must call it."""
     start, num_proc = time.perf_counter(), num_proc or available_cores()
     complete = read_index(plan.folder) is not None
     if not complete:
         pieces_read = _tokenize_share(plan, group, num_proc, progress)
+        _verify_share(plan, group, pieces_read)
     group.barrier()  # every member's pieces are done
     if not complete and group.rank == 0:
         _log_done(_write_index(plan, pieces_read), plan.folder, time.perf_counter() - start, num_proc, group.size)
     group.barrier()  # the index is written
-    return read_index(plan.folder)
+    index = read_index(plan.folder)
+    if complete and verify:
+        verify_pieces(plan.folder, index, group.rank, group.size)
+        group.barrier()
+        if group.rank == 0:
+            log.info("verified every token file of %s against its checksum", plan.folder)
+    return index
 
 
 # ---------------------------------------------------------------- reading and dispatching
@@ -174,6 +185,21 @@ class _TrainPrefix:
             self.total += record["splits"].get("train", {}).get("tokens", 0)
             self.next += 1
         return self.total
+
+
+def _verify_share(plan: Plan, group: Group, pieces_read: dict[str, int]):
+    """Read back this member's pieces (those it tokenized now, and those an earlier preparation
+    left) against their records: the one full check of the files, since a start of training
+    checks only a sample of them (hvdtrain/data/token_files.py)."""
+    dtype = token_dtype(len(plan.tokenizer))
+    for stream, count in pieces_read.items():
+        for k in range(group.rank, count, group.size):
+            record = read_json(plan.folder / "pieces" / f"{stream}-{k:06d}.json")
+            if record is None:
+                continue  # not there: _write_index says so if the index needs it
+            for split, part in record["splits"].items():
+                check_file(plan.folder, f"{split}/{stream}-{k:06d}.bin", part["tokens"], part["crc32"], dtype,
+                           checksum=True)
 
 
 # ---------------------------------------------------------------- the index
