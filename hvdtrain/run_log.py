@@ -5,14 +5,18 @@ metrics.jsonl holds one JSON object per logged step (`step`, `loss`, `lr`, `toke
 """
 import json
 import math
+import os
 from pathlib import Path
 
 from tqdm import tqdm
+
+TAIL_BLOCK = 64 * 1024  # bytes read at a time looking for the last line
 
 
 class RunLog:
     def __init__(self, out_dir: str, start_step: int, max_steps: int, progress: bool, tensorboard: bool):
         self.path = Path(out_dir) / "metrics.jsonl"
+        end_with_a_complete_line(self.path)
         self.file = open(self.path, "a")
         self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
                         disable=not progress)
@@ -66,3 +70,31 @@ class RunLog:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def end_with_a_complete_line(path: Path):
+    """Make `path` end with a newline before records are appended to it: a last line without
+    one that is not JSON was cut short by a kill while it was written, never a complete record,
+    and is cut off (a complete one only lacks its newline)."""
+    if not path.exists():
+        return
+    with open(path, "rb+") as f:
+        end = f.seek(0, os.SEEK_END)
+        start = end
+        while start > 0:  # back to the last newline, a block at a time
+            block_start = max(0, start - TAIL_BLOCK)
+            f.seek(block_start)
+            newline = f.read(start - block_start).rfind(b"\n")
+            if newline >= 0:
+                start = block_start + newline + 1
+                break
+            start = block_start
+        if start == end:
+            return
+        f.seek(start)
+        try:
+            json.loads(f.read())
+        except ValueError:  # not JSON, or not even UTF-8
+            f.truncate(start)
+        else:
+            f.write(b"\n")
