@@ -132,8 +132,9 @@ def read_records(path: Path, what: str = "metrics file") -> list[dict]:
 
 
 def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
-    """(train records, eval records) of a run folder, in step order. A run resumed from a
-    checkpoint logs the steps after that checkpoint again; the later record is the one that counts."""
+    """(train records, eval records) of a run folder, in step order. A resumed run removes the
+    records of the steps it computes again (hvdtrain.run_log); where a file still holds two
+    records of a step (written before that), the later one counts."""
     path = Path(run_dir) / FILE_NAME
     if not path.is_file():
         raise UserError(f"'{run_dir}' is not a run folder: {path} does not exist")
