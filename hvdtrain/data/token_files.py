@@ -33,8 +33,8 @@ from hvdtrain.errors import UserError
 FORMAT = 1
 INDEX = "index.json"
 CHECK_CHUNK = 16 * 1024 * 1024  # bytes read at a time when checking a file: memory stays flat
-# Pieces of each split whose checksum a start of training checks, others at each start: with
-# every rank choosing its own, damage that keeps a file's size is found sooner or later.
+# Pieces of each split whose checksums a start of training reads, chosen anew at every start on
+# every rank: damage that keeps a file's size is found sooner or later without reading it all.
 SAMPLED_PIECES = 2
 
 
