@@ -82,7 +82,6 @@ class RunLog:
             self.tb.close()
 
 
-
 def keep_records_up_to(path: Path, start_step: int):
     """Make the metrics file at `path` what a run that starts at `start_step` appends to: the
     records of the steps it computes again (after start_step; from a start at 0 all, the
