@@ -17,8 +17,6 @@ hvdtrain.distributed.broadcast_state: the optimizer state only when rank 0 has o
 AdamW never takes Horovod's dummy step. RNG streams are derived from (seed, rank, step) after
 every reset, as on a resume with another world size.
 """
-import copy
-
 import horovod.torch as hvd
 import torch
 from horovod.common.elastic import State
@@ -43,13 +41,16 @@ class ElasticState(State):
         self.save()
 
     def save(self):
+        """The commit, in host memory: on a GPU a copy on the device would take as much memory
+        again as the model and its optimizer state."""
         t = self.training
-        self.saved = {"model": {k: v.detach().to("cpu", copy=True) for k, v in t.model.state_dict().items()},
-                      "optimizer": copy.deepcopy(t.optimizer.state_dict()), "scaler": t.scaler.state_dict(),
-                      "step": t.step, "position": t.position}
+        self.saved = {"model": host_copy(t.model.state_dict()), "optimizer": host_copy(t.optimizer.state_dict()),
+                      "scaler": t.scaler.state_dict(), "step": t.step, "position": t.position}
 
     def restore(self):
-        """After a lost worker: back to the last commit; the interrupted step's gradients dropped."""
+        """After a lost worker: back to the last commit; the interrupted step's gradients dropped.
+        Loading puts every tensor back on its parameter's device (the optimizer casts its
+        state to the parameter's device and dtype itself)."""
         t = self.training
         self.last_reset = ("a worker was lost", t.step - self.saved["step"], t.world.size)
         t.model.load_state_dict(self.saved["model"])
@@ -69,6 +70,18 @@ class ElasticState(State):
         if progress[2] and t.scaler.is_enabled():
             t.scaler.load_state_dict(progress[2])
         self.save()
+
+
+def host_copy(tree):
+    """A copy of a state dict (nested dicts and lists) whose tensors are in host memory and
+    share nothing with the live ones."""
+    if torch.is_tensor(tree):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: host_copy(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(host_copy(v) for v in tree)
+    return tree  # numbers, strings, None: immutable
 
 
 def check_elastic_config(cfg: Config):
