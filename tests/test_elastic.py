@@ -10,23 +10,14 @@ import time
 
 import pytest
 
-from helpers import (BIN, OFFLINE, REPO, WORKERS, assert_same_losses, assert_same_params, hvdtrain, load_params,
-                     read_metrics, run_cmd, step_losses, train_workers)
+from helpers import (BIN, OFFLINE, REPO, WORKERS, assert_same_losses, assert_same_params, discovery, hvdtrain,
+                     load_params, read_metrics, run_cmd, step_losses, train_workers)
 from hvdtrain import checkpoint
 from hvdtrain.metrics import FILE_NAME, read_records
 
 pytestmark = pytest.mark.workers
 STEPS = 8
 ELASTIC = {"train": {"global_batch_size": 8, "max_steps": STEPS}, "elastic": {"commit_every": 2}}
-
-
-def discovery(tmp_path, hosts: list[str]):
-    """A discovery script printing the lines of hosts.txt, which a test may change."""
-    (tmp_path / "hosts.txt").write_text("".join(f"{h}\n" for h in hosts))
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts.txt'}\n")
-    script.chmod(0o755)
-    return script
 
 
 def elastic_run(np: int, tmp_path, config, out, env: dict, *overrides, min_np=1, max_np=2):
@@ -81,6 +72,15 @@ def test_an_added_host_joins_and_the_run_equals_a_single_worker(tmp_path, one_wo
     train_workers(1, config, f"out_dir={straight}", "train.max_steps=12")
     assert_same_losses(step_losses(straight), losses, min_steps=12)
     assert_same_params(load_params(straight, 0), load_params(out, 0), atol=1e-5)
+
+
+def test_an_elastic_job_resumes_from_its_checkpoint_like_a_plain_run(tmp_path, one_worker):
+    config, reference = one_worker
+    out = tmp_path / "run"
+    elastic_run(2, tmp_path, config, out, {}, "train.stop_at_step=4")
+    assert "resuming at step 4" in elastic_run(2, tmp_path, config, out, {}).stdout
+    assert_same_losses(step_losses(reference), step_losses(out), min_steps=STEPS)
+    assert_same_params(load_params(reference, 0), load_params(out, 0), atol=1e-5)
 
 
 def test_below_min_np_too_long_stops_clearly_and_the_checkpoint_resumes(tmp_path, tiny_config):
