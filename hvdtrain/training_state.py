@@ -55,14 +55,16 @@ def find_resume_checkpoint(cfg: Config, world) -> Path | None:
 
 
 def resume_decision(cfg: Config) -> Path | None:
-    """Where a run in cfg.out_dir starts: from its newest intact checkpoint, or afresh (None);
-    a refusal is a UserError, raised before the folder is touched.
+    """Where a run in cfg.out_dir starts: from its newest intact checkpoint, or afresh (None)
+    in a folder that holds no run; any other case is refused (UserError).
 
-    checkpoint.resume=false: a folder that holds a run is refused, whatever state its files
-    are in: a new run must neither delete nor append to another run's files, and a checkpoint
-    being written there (`.tmp-step_N`) may be a live run's. checkpoint.resume=true: the
-    folder's run is continued, so a crash's leftovers are recovered first and damaged
-    checkpoints set aside."""
+    checkpoint.resume=false: a folder that holds a run is refused before it is touched,
+    whatever state its files are in: a new run must neither delete nor append to another
+    run's files, and a checkpoint being written there (`.tmp-step_N`) may be a live run's.
+    checkpoint.resume=true: the folder's run is continued, so a crash's leftovers are
+    recovered first and damaged checkpoints set aside; when none is intact the run is refused
+    rather than restarted at step 0 into the same metrics (as Megatron and torchtitan stop at
+    a checkpoint they cannot load): starting that run again is the user's decision."""
     out = Path(cfg.out_dir)
     run_files = [p for p in [out / FILE_NAME, *sorted(checkpoint.checkpoint_dir(out).glob("*"))] if p.exists()]
     if not cfg.checkpoint.resume:
@@ -73,6 +75,11 @@ def resume_decision(cfg: Config) -> Path | None:
     checkpoint.recover_interrupted_writes(out)
     path = checkpoint.newest_intact_checkpoint(out)
     if path is None:
+        if run_files:
+            damaged = sorted(p.name for p in checkpoint.checkpoint_dir(out).glob("damaged-*"))
+            aside = f" (set aside as damaged: {', '.join(damaged)})" if damaged else ""
+            raise UserError(f"out_dir '{out}' holds a run but no intact checkpoint to continue it from{aside}; "
+                            f"to start it again from step 0, move that run away first, or choose another out_dir")
         return None
     problem = resume_problem(checkpoint.read_state(path)["config"], cfg, path)
     if problem:

@@ -195,3 +195,25 @@ def test_resume_false_refuses_a_folder_with_a_live_run_and_touches_nothing(tmp_p
     proc = launch(launcher, tmp_path, config, out, "checkpoint.resume=false")
     assert_refused(proc, [f"out_dir '{out}' holds another run", "checkpoint.resume is false"])
     assert folder_bytes(out) == before
+
+
+@pytest.mark.parametrize("launcher", ["plain", "elastic"])
+def test_no_intact_checkpoint_is_refused_naming_what_was_set_aside(tmp_path, tiny_config, launcher):
+    """Every checkpoint damaged: the run is not restarted at step 0 into the same metrics.jsonl;
+    the same command says so again (the checkpoints stay set aside)."""
+    import os
+
+    from hvdtrain.metrics import FILE_NAME
+    from helpers import hvdtrain
+    config = tiny_config(ELASTIC_READY)
+    out = tmp_path / "run"
+    assert hvdtrain("train", config, f"out_dir={out}", f"train.stop_at_step={HALF}").returncode == 0
+    for path in checkpoint.list_checkpoints(out):
+        os.truncate(path / "model.safetensors", 100)
+    records, exported = (out / FILE_NAME).read_bytes(), folder_bytes(out / "hf")
+    words = [f"out_dir '{out}' holds a run but no intact checkpoint", "damaged-step_00000002",
+             "damaged-step_00000004", "move that run away"]
+    for _ in range(2):
+        assert_refused(launch(launcher, tmp_path, config, out), words)
+        assert (out / FILE_NAME).read_bytes() == records
+        assert folder_bytes(out / "hf") == exported and not checkpoint.list_checkpoints(out)
