@@ -74,6 +74,33 @@ def test_an_added_host_joins_and_the_run_equals_a_single_worker(tmp_path, one_wo
     assert_same_params(load_params(straight, 0), load_params(out, 0), atol=1e-5)
 
 
+def test_a_host_added_before_the_runs_last_commit_leaves_its_checkpoint_and_pause(tmp_path, one_worker):
+    """A host appears while a run paused at train.stop_at_step=6 takes its last steps (commits
+    only at checkpoints): the checkpoint of step 6 is written and the run stops there, with no
+    reset. (The commit's host check used to come first and raise: no checkpoint of step 6, and
+    the re-entered run went on to train.max_steps.)"""
+    config, _ = one_worker
+    out = tmp_path / "run"
+    elastic_run(1, tmp_path, config, out, {"HVDTRAIN_TEST_ADD_HOST": f"1:{tmp_path / 'hosts.txt'}:127.0.0.1:1"},
+                "train.stop_at_step=6", "elastic.commit_every=100", "train.slow_ranks=[0]", "train.slow_seconds=0.4")
+    assert "127.0.0.1:1" in (tmp_path / "hosts.txt").read_text()
+    assert [p.name for p in checkpoint.list_checkpoints(out)] == ["step_00000006"]
+    assert sorted(step_losses(out)) == list(range(1, 7)) and not events(out)
+
+
+def test_a_host_added_before_a_checkpoints_commit_leaves_the_checkpoint(tmp_path, one_worker):
+    """Commits only at the checkpoint of step 4: the host appears before it, so the commit after
+    the checkpoint raises and the run goes on with 2 workers; the checkpoint is there."""
+    config, reference = one_worker
+    out = tmp_path / "run"
+    elastic_run(1, tmp_path, config, out, {"HVDTRAIN_TEST_ADD_HOST": f"1:{tmp_path / 'hosts.txt'}:127.0.0.1:1"},
+                "checkpoint.every=4", "elastic.commit_every=100", "train.slow_ranks=[0]", "train.slow_seconds=0.4")
+    assert [p.name for p in checkpoint.list_checkpoints(out)] == ["step_00000004", f"step_{STEPS:08d}"]
+    [reset] = events(out)
+    assert (reset["step"], reset["reason"], reset["world_size"]) == (4, "the hosts changed", 2)
+    assert_same_losses(step_losses(reference), step_losses(out), min_steps=STEPS)
+
+
 def test_an_elastic_job_resumes_from_its_checkpoint_like_a_plain_run(tmp_path, one_worker):
     config, reference = one_worker
     out = tmp_path / "run"
