@@ -28,7 +28,8 @@ def test_the_commit_is_a_host_copy_and_restores_on_the_device(device):
     model.to(device)
     optimizer = build_optimizer(model, TrainConfig(), 1e-3, torch.device(device))
     train_one_step(model, optimizer)
-    training = TrainingState(model, optimizer, torch.amp.GradScaler(device, enabled=False), World(rank=0, size=1), cfg=None)
+    scaler = torch.amp.GradScaler(device, enabled=False)
+    training = TrainingState(model, optimizer, scaler, World(rank=0, size=1), cfg=None)
     training.step = 1
     committed = ElasticState(training)
     saved = committed.saved["optimizer"]["state"]
