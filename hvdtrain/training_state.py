@@ -128,7 +128,8 @@ class TrainingState:
 
     def save(self):
         """Write a checkpoint of the current step; collective (every rank gives its RNG state,
-        each writer its part, rank 0 the rest once all parts are on disk)."""
+        each writer its part, fsynced and checksummed, rank 0 the rest and the manifest once
+        all parts are on disk)."""
         rngs = distributed.allgather_object(rng.capture(), name="rng")
         tmp = checkpoint.begin_checkpoint(self.cfg.out_dir, self.step) if self.world.is_main else None
         tmp = distributed.broadcast_object(tmp, name="checkpoint_folder")
@@ -136,15 +137,15 @@ class TrainingState:
             index, count, writer = 0, 1, self.world.is_main
         else:  # the first copy of each stage
             index, count, writer = self.layout.stage, self.layout.stages, self.layout.dp_rank == 0
-        if writer:
-            checkpoint.write_part(tmp, index, count, self.model, self.optimizer)
-        distributed.allreduce_sum([0.0], name="checkpoint_parts")  # every part is on disk
+        part = checkpoint.write_part(tmp, index, count, self.model, self.optimizer) if writer else {}
+        # Once every part is on disk, rank 0 has their manifest entries (not their bytes).
+        parts = distributed.allgather_object(part, name="checkpoint_parts")
         if self.world.is_main:
             checkpoint.finish_checkpoint(
                 tmp, self.step, self.model.config,
                 {"step": self.step, "position": self.position, "world_size": self.world.size,
                  "scaler": self.scaler.state_dict(), "config": self.cfg.to_dict()},
-                rngs, keep=self.cfg.checkpoint.keep)
+                rngs, keep=self.cfg.checkpoint.keep, parts={k: v for p in parts for k, v in p.items()})
         # Nobody leaves before the checkpoint is in place: a worker that exits right after (a
         # preempted run) must not make the launcher kill rank 0 while it renames.
         distributed.allreduce_sum([0.0], name="checkpoint_done")
