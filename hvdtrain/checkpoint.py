@@ -17,11 +17,12 @@ Nothing here is a pickle: every file is safetensors or JSON, so a checkpoint som
 cannot run code when it is loaded (checkpoints of hvdtrain before this format held a pickled
 state.pt; they are refused with one line rather than unpickled).
 
-A checkpoint is written into a temporary folder, every file fsynced, the manifest last, then
-renamed into place (a rename is atomic). A crash at any moment leaves the earlier checkpoints
-as they were; `recover_interrupted_writes` finishes or discards what a crash left behind. When
-reading, the manifest is checked first: a damaged checkpoint is set aside under another name
-(never deleted) and the run resumes from the newest intact one.
+A checkpoint is written into a temporary folder, every file fsynced and checksummed by the
+process that wrote it, the manifest last, then renamed into place (a rename is atomic). A crash
+at any moment leaves the earlier checkpoints as they were; `recover_interrupted_writes`
+finishes or discards what a crash left behind. When reading, the manifest is checked first: a
+damaged checkpoint is set aside under another name (never deleted) and the run resumes from
+the newest intact one.
 """
 import json
 import logging
@@ -118,17 +119,28 @@ def begin_checkpoint(out_dir, step: int) -> Path:
     return tmp
 
 
-def write_part(tmp: Path, index: int, count: int, model, optimizer):
-    """This writer's weights and optimizer state (the whole model's, or one stage's)."""
+def sealed(path: Path) -> dict:
+    """`path` flushed to disk; its manifest entry (size and checksum)."""
+    _fsync(path)
+    return {"bytes": path.stat().st_size, "xxh3_64": checksum(path)}
+
+
+def write_part(tmp: Path, index: int, count: int, model, optimizer) -> dict[str, dict]:
+    """This writer's weights and optimizer state (the whole model's, or one stage's), on disk;
+    their manifest entries. Each writer seals its own files, so the one that writes the
+    manifest reads no other writer's weights."""
     model_file, optimizer_file = part_names(index, count)
     with written_whole(f"the checkpoint of step {step_of(tmp)} in {tmp.parent}", tmp):
         save_model(model, str(tmp / model_file))
         save_file(optimizer_tensors(optimizer, model), str(tmp / optimizer_file))
+        return {name: sealed(tmp / name) for name in (model_file, optimizer_file)}
 
 
-def finish_checkpoint(tmp: Path, step: int, model_config, state: dict, rngs: list[dict], keep: int) -> Path:
-    """After every part is written: the run's state, the manifest last, the rename into place;
-    keep the newest `keep` checkpoints. Called on one rank."""
+def finish_checkpoint(tmp: Path, step: int, model_config, state: dict, rngs: list[dict], keep: int,
+                      parts: dict[str, dict]) -> Path:
+    """After every part is written (`parts`: the manifest entries their writers gave): the
+    run's state, the manifest last, the rename into place; keep the newest `keep` checkpoints.
+    Called on one rank."""
     root = tmp.parent
     final = root / f"step_{step:08d}"
     with written_whole(f"the checkpoint of step {step} in {root}", tmp):
@@ -136,10 +148,8 @@ def finish_checkpoint(tmp: Path, step: int, model_config, state: dict, rngs: lis
         save_file({f"rank{r}/{k}": v.contiguous() for r, rng in enumerate(rngs) for k, v in rng.items()},
                   str(tmp / RNG_FILE))
         (tmp / STATE_FILE).write_text(json.dumps({"format": FORMAT, **state}, indent=1))
-        files = {}
-        for f in sorted(tmp.iterdir()):
-            _fsync(f)
-            files[f.name] = {"bytes": f.stat().st_size, "xxh3_64": checksum(f)}
+        files = {**parts, **{name: sealed(tmp / name) for name in (MODEL_CONFIG_FILE, RNG_FILE, STATE_FILE)}}
+        files = dict(sorted(files.items()))
         # The manifest last: a folder with a valid manifest is a complete checkpoint.
         (tmp / MANIFEST_FILE).write_text(json.dumps({"format": FORMAT, "step": step, "files": files}, indent=1))
         _fsync(tmp / MANIFEST_FILE)
@@ -162,8 +172,8 @@ def finish_checkpoint(tmp: Path, step: int, model_config, state: dict, rngs: lis
 def save_checkpoint(out_dir, step: int, model, optimizer, state: dict, rngs: list[dict], keep: int) -> Path:
     """The whole checkpoint of a model held by one process."""
     tmp = begin_checkpoint(out_dir, step)
-    write_part(tmp, 0, 1, model, optimizer)
-    return finish_checkpoint(tmp, step, model.config, state, rngs, keep)
+    parts = write_part(tmp, 0, 1, model, optimizer)
+    return finish_checkpoint(tmp, step, model.config, state, rngs, keep, parts)
 
 
 def recover_interrupted_writes(out_dir):

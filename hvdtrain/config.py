@@ -130,7 +130,7 @@ class ParallelConfig:
 class ElasticConfig:
     # Elastic jobs (hvdtrain launch --elastic): steps between in-memory commits of the training
     # state. A lost worker rolls every worker back to the last commit; a commit also happens
-    # before every checkpoint, and added workers join at one.
+    # after every checkpoint (none at the run's last step), and added workers join at one.
     commit_every: int = 10
 
 

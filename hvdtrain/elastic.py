@@ -16,21 +16,23 @@ stream position, in host memory on every worker. Its sync broadcasts rank 0's, l
 hvdtrain.distributed.broadcast_state: the optimizer state only when rank 0 has one, so a fresh
 AdamW never takes Horovod's dummy step. RNG streams are derived from (seed, rank, step) after
 every reset, as on a resume with another world size.
-"""
-import copy
 
+Where the job starts is decided as in a plain run, on the job's first entry into the elastic
+function (hvdtrain.training_state.find_resume_checkpoint: rank 0 decides or refuses, every
+worker takes rank 0's checkpoint); workers that join later get the decision with the sync.
+"""
 import horovod.torch as hvd
 import torch
 from horovod.common.elastic import State
 from horovod.common.exceptions import HostsUpdatedInterrupt
 
-from hvdtrain import checkpoint, distributed, rng
+from hvdtrain import distributed, rng
 from hvdtrain.config import Config, resolve_batch
 from hvdtrain.data import build_data
 from hvdtrain.errors import UserError
 from hvdtrain.paths import check_writable_folder
 from hvdtrain.train import Setup, build_model_and_optimizer, check_data, run_steps
-from hvdtrain.training_state import TrainingState, resume_problem
+from hvdtrain.training_state import TrainingState, find_resume_checkpoint
 
 
 class ElasticState(State):
@@ -40,16 +42,22 @@ class ElasticState(State):
         super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank)
         self.training = training
         self.last_reset = None  # (why, steps rolled back, world size before), for the run log
+        # Whether the job took its resume decision (on its first entry), and the checkpoint it
+        # resumed from: rank 0's, synced to workers that join later.
+        self.resume_decided, self.resumed_from = False, None
         self.save()
 
     def save(self):
+        """The commit, in host memory: on a GPU a copy on the device would take as much memory
+        again as the model and its optimizer state."""
         t = self.training
-        self.saved = {"model": {k: v.detach().to("cpu", copy=True) for k, v in t.model.state_dict().items()},
-                      "optimizer": copy.deepcopy(t.optimizer.state_dict()), "scaler": t.scaler.state_dict(),
-                      "step": t.step, "position": t.position}
+        self.saved = {"model": host_copy(t.model.state_dict()), "optimizer": host_copy(t.optimizer.state_dict()),
+                      "scaler": t.scaler.state_dict(), "step": t.step, "position": t.position}
 
     def restore(self):
-        """After a lost worker: back to the last commit; the interrupted step's gradients dropped."""
+        """After a lost worker: back to the last commit; the interrupted step's gradients dropped.
+        Loading puts every tensor back on its parameter's device (the optimizer casts its
+        state to the parameter's device and dtype itself)."""
         t = self.training
         self.last_reset = ("a worker was lost", t.step - self.saved["step"], t.world.size)
         t.model.load_state_dict(self.saved["model"])
@@ -63,12 +71,24 @@ class ElasticState(State):
         t = self.training
         has_optimizer_state = hvd.broadcast_object(len(t.optimizer.state) > 0, root_rank=0, name="elastic.has_state")
         distributed.broadcast_state(t.model, t.optimizer, resumed=has_optimizer_state)
-        progress = hvd.broadcast_object((t.step, t.position, t.scaler.state_dict()), root_rank=0,
-                                        name="elastic.progress")
-        t.step, t.position = progress[0], progress[1]
-        if progress[2] and t.scaler.is_enabled():
-            t.scaler.load_state_dict(progress[2])
+        progress = hvd.broadcast_object((t.step, t.position, t.scaler.state_dict(), self.resume_decided,
+                                         self.resumed_from), root_rank=0, name="elastic.progress")
+        t.step, t.position, scaler, self.resume_decided, self.resumed_from = progress
+        if scaler and t.scaler.is_enabled():
+            t.scaler.load_state_dict(scaler)
         self.save()
+
+
+def host_copy(tree):
+    """A copy of a state dict (nested dicts and lists) whose tensors are in host memory and
+    share nothing with the live ones."""
+    if torch.is_tensor(tree):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: host_copy(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(host_copy(v) for v in tree)
+    return tree  # numbers, strings, None: immutable
 
 
 def check_elastic_config(cfg: Config):
@@ -78,24 +98,6 @@ def check_elastic_config(cfg: Config):
     if cfg.parallel.pipeline_stages > 1:
         raise UserError("config key 'parallel.pipeline_stages': elastic jobs do not support pipeline stages "
                         f"(got {cfg.parallel.pipeline_stages}); use 1, or a fixed number of workers")
-
-
-def local_resume_checkpoint(cfg: Config, started_as_rank_0: bool):
-    """The checkpoint to start from, found by every process on its own (no collective may run
-    outside the elastic function). Only the first rank 0 repairs what a crash left behind."""
-    if not cfg.checkpoint.resume:
-        return None
-    if started_as_rank_0:
-        checkpoint.recover_interrupted_writes(cfg.out_dir)
-        path = checkpoint.newest_intact_checkpoint(cfg.out_dir)
-    else:
-        path = next((p for p in reversed(checkpoint.list_checkpoints(cfg.out_dir)) if checkpoint.problem(p) is None),
-                    None)
-    if path is not None:
-        problem = resume_problem(checkpoint.read_state(path)["config"], cfg, path)
-        if problem:
-            raise UserError(problem)
-    return path
 
 
 def train_elastic(cfg: Config) -> torch.nn.Module:
@@ -109,15 +111,17 @@ def train_elastic(cfg: Config) -> torch.nn.Module:
     model, optimizer, scaler, aliases, peak_lr, _ = build_model_and_optimizer(cfg, data, device, grad_accum,
                                                                                world.size)
     state = TrainingState(model, optimizer, scaler, world, cfg, aliases=aliases)
-    resume_from = local_resume_checkpoint(cfg, world.is_main)
-    if resume_from is not None:  # every process reads it; the first sync makes rank 0's win anyway
-        state.load(resume_from)
 
     @hvd.elastic.run
     def run(elastic_state: ElasticState) -> torch.nn.Module:
         # Everything that depends on the world, derived again on every (re)entry.
         now = distributed.current_world(device)
         state.world = now
+        if not elastic_state.resume_decided:  # the job's first entry: the decision of a plain run
+            elastic_state.resumed_from = find_resume_checkpoint(cfg, now)
+            state.restore(elastic_state.resumed_from)
+            elastic_state.resume_decided = True
+            elastic_state.save()  # a worker lost from here on rolls back to the resumed state
         grad_accum, global_batch = resolve_batch(cfg, now.size)
         optimizer.set_backward_passes_per_step(grad_accum)  # also forgets half-counted backward passes
         optimizer._handles.clear()  # allreduces of an interrupted step belong to the old world
@@ -132,7 +136,7 @@ def train_elastic(cfg: Config) -> torch.nn.Module:
                            "world_size": now.size, "steps_rolled_back": rolled_back})
         elastic_state.last_reset = None
         setup = Setup(now, data, model, optimizer, scaler, state, grad_accum, global_batch, peak_lr, now.rank,
-                      now.size, resumed_from=resume_from if state.step else None)
+                      now.size, resumed_from=elastic_state.resumed_from if state.step else None)
 
         def commit():
             size = now.size

@@ -239,9 +239,9 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
     """From the state's step to the end of the run: loaders, run folder, then the step loop.
 
     `commit`: the elastic job's in-memory commit, called every elastic.commit_every steps and
-    before each checkpoint; it raises when workers were added or lost, which ends this call and
-    lets hvdtrain.elastic re-enter it with the new world. `events`: records (e.g. that reset)
-    for rank 0 to log first."""
+    after each checkpoint, except at the run's end; it raises when workers were added or lost,
+    which ends this call and lets hvdtrain.elastic re-enter it with the new world. `events`:
+    records (e.g. that reset) for rank 0 to log first."""
     world, data, model, optimizer, scaler, state = s.world, s.data, s.model, s.optimizer, s.scaler, s.state
     layout, groups, pipe, reduce_after = s.layout, s.groups, s.pipe, s.reduce_after
     grad_accum, global_batch, peak_lr, shard, shards = s.grad_accum, s.global_batch, s.peak_lr, s.shard, s.shards
@@ -386,12 +386,16 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
                 timer.reset()  # evaluation time is not training step time
                 watchdog.progress(done)
             checkpoint_due = (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == last_step or stop
-            if commit is not None and (done % cfg.elastic.commit_every == 0 or checkpoint_due):
-                commit()  # in memory; raises when workers were added or lost (elastic jobs only)
             if checkpoint_due:
                 state.save()
                 timer.reset()
                 watchdog.progress(done)
+            # Elastic jobs only: the in-memory commit, after the checkpoint, as it raises when the
+            # hosts changed; none at the step this run ends at (its last, a pause, a preemption),
+            # which has no steps left for new workers.
+            if (commit is not None and done < last_step and not stop
+                    and (done % cfg.elastic.commit_every == 0 or checkpoint_due)):
+                commit()
             if stop:
                 world.print(f"hvdtrain: preempted (a worker received a stop signal): checkpoint of step {done} "
                             f"written; run the same command again to continue")

@@ -15,6 +15,7 @@ from pathlib import Path
 from hvdtrain import checkpoint, distributed, rng
 from hvdtrain.config import Config
 from hvdtrain.errors import UserError
+from hvdtrain.metrics import FILE_NAME
 
 # A resume must continue the same model on the same sample stream: every key of the `model`
 # and `data` sections must match the checkpoint's, except these, which change how the run
@@ -38,25 +39,49 @@ def resume_problem(saved: dict, cfg: Config, path: Path) -> str | None:
 
 
 def find_resume_checkpoint(cfg: Config, world) -> Path | None:
-    """The checkpoint this run continues from, decided on rank 0 and told to every rank.
-
-    A crash's leftovers are recovered first, damaged checkpoints set aside. With
-    checkpoint.resume=false a folder that already holds a run is refused: a new run must
-    neither delete the old run's checkpoints nor append to its metrics."""
+    """The checkpoint this run continues from, decided on rank 0 (`resume_decision`) and told
+    to every rank; collective. Plain and elastic jobs call it alike (an elastic job on its
+    first entry into the elastic function)."""
     path, problem = None, None
     if world.is_main:
         try:
-            checkpoint.recover_interrupted_writes(cfg.out_dir)
-            if cfg.checkpoint.resume:
-                path = checkpoint.newest_intact_checkpoint(cfg.out_dir)
-                if path is not None:
-                    problem = resume_problem(checkpoint.read_state(path)["config"], cfg, path)
-            elif checkpoint.list_checkpoints(cfg.out_dir) or (Path(cfg.out_dir) / "metrics.jsonl").exists():
-                problem = (f"out_dir '{cfg.out_dir}' holds another run and checkpoint.resume is false; choose "
-                           f"another out_dir, or move that run away first")
+            path = resume_decision(cfg)
         except UserError as e:
             problem = str(e)
     path, problem = distributed.broadcast_object((path, problem), name="resume_checkpoint")
+    if problem:
+        raise UserError(problem)
+    return path
+
+
+def resume_decision(cfg: Config) -> Path | None:
+    """Where a run in cfg.out_dir starts: from its newest intact checkpoint, or afresh (None)
+    in a folder that holds no run; any other case is refused (UserError).
+
+    checkpoint.resume=false: a folder that holds a run is refused before it is touched,
+    whatever state its files are in: a new run must neither delete nor append to another
+    run's files, and a checkpoint being written there (`.tmp-step_N`) may be a live run's.
+    checkpoint.resume=true: the folder's run is continued, so a crash's leftovers are
+    recovered first and damaged checkpoints set aside; when none is intact the run is refused
+    rather than restarted at step 0 into the same metrics (as Megatron and torchtitan stop at
+    a checkpoint they cannot load): starting that run again is the user's decision."""
+    out = Path(cfg.out_dir)
+    run_files = [p for p in [out / FILE_NAME, *sorted(checkpoint.checkpoint_dir(out).glob("*"))] if p.exists()]
+    if not cfg.checkpoint.resume:
+        if run_files:
+            raise UserError(f"out_dir '{out}' holds another run and checkpoint.resume is false; choose another "
+                            f"out_dir, or move that run away first")
+        return None
+    checkpoint.recover_interrupted_writes(out)
+    path = checkpoint.newest_intact_checkpoint(out)
+    if path is None:
+        if run_files:
+            damaged = sorted(p.name for p in checkpoint.checkpoint_dir(out).glob("damaged-*"))
+            aside = f" (set aside as damaged: {', '.join(damaged)})" if damaged else ""
+            raise UserError(f"out_dir '{out}' holds a run but no intact checkpoint to continue it from{aside}; "
+                            f"to start it again from step 0, move that run away first, or choose another out_dir")
+        return None
+    problem = resume_problem(checkpoint.read_state(path)["config"], cfg, path)
     if problem:
         raise UserError(problem)
     return path
@@ -74,16 +99,6 @@ class TrainingState:
         self.aliases = aliases if aliases is not None else checkpoint.tie_aliases(model)
         self.step = 0
         self.position = 0
-
-    def load(self, path: Path):
-        """Read the checkpoint `path` into this process alone (no collective): elastic jobs, whose
-        first sync then makes rank 0's values everyone's."""
-        checkpoint.load_weights(self.model, path, self.aliases)
-        checkpoint.load_optimizer(self.optimizer, self.model, path, self.aliases)
-        saved = checkpoint.read_state(path)
-        self.step, self.position = saved["step"], saved["position"]
-        if saved["scaler"] and self.scaler.is_enabled():
-            self.scaler.load_state_dict(saved["scaler"])
 
     def restore(self, path: Path | None):
         """Start from `path` (a checkpoint) or afresh; collective. Without pipeline stages rank 0
@@ -113,7 +128,8 @@ class TrainingState:
 
     def save(self):
         """Write a checkpoint of the current step; collective (every rank gives its RNG state,
-        each writer its part, rank 0 the rest once all parts are on disk)."""
+        each writer its part, fsynced and checksummed, rank 0 the rest and the manifest once
+        all parts are on disk)."""
         rngs = distributed.allgather_object(rng.capture(), name="rng")
         tmp = checkpoint.begin_checkpoint(self.cfg.out_dir, self.step) if self.world.is_main else None
         tmp = distributed.broadcast_object(tmp, name="checkpoint_folder")
@@ -121,15 +137,15 @@ class TrainingState:
             index, count, writer = 0, 1, self.world.is_main
         else:  # the first copy of each stage
             index, count, writer = self.layout.stage, self.layout.stages, self.layout.dp_rank == 0
-        if writer:
-            checkpoint.write_part(tmp, index, count, self.model, self.optimizer)
-        distributed.allreduce_sum([0.0], name="checkpoint_parts")  # every part is on disk
+        part = checkpoint.write_part(tmp, index, count, self.model, self.optimizer) if writer else {}
+        # Once every part is on disk, rank 0 has their manifest entries (not their bytes).
+        parts = distributed.allgather_object(part, name="checkpoint_parts")
         if self.world.is_main:
             checkpoint.finish_checkpoint(
                 tmp, self.step, self.model.config,
                 {"step": self.step, "position": self.position, "world_size": self.world.size,
                  "scaler": self.scaler.state_dict(), "config": self.cfg.to_dict()},
-                rngs, keep=self.cfg.checkpoint.keep)
+                rngs, keep=self.cfg.checkpoint.keep, parts={k: v for p in parts for k, v in p.items()})
         # Nobody leaves before the checkpoint is in place: a worker that exits right after (a
         # preempted run) must not make the launcher kill rank 0 while it renames.
         distributed.allreduce_sum([0.0], name="checkpoint_done")

@@ -86,6 +86,15 @@ def train_workers(np: int, config: Path, *overrides, worker: str = "train_and_du
     return proc
 
 
+def discovery(tmp_path, hosts: list[str]):
+    """An elastic job's host discovery script printing the lines of hosts.txt, which a test may change."""
+    (tmp_path / "hosts.txt").write_text("".join(f"{h}\n" for h in hosts))
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts.txt'}\n")
+    script.chmod(0o755)
+    return script
+
+
 def read_metrics(out_dir: Path) -> tuple[list[dict], list[dict]]:
     """(train records, eval records) of a run folder's metrics.jsonl, in step order."""
     return read_run_metrics(Path(out_dir))

@@ -10,23 +10,14 @@ import time
 
 import pytest
 
-from helpers import (BIN, OFFLINE, REPO, WORKERS, assert_same_losses, assert_same_params, hvdtrain, load_params,
-                     read_metrics, run_cmd, step_losses, train_workers)
+from helpers import (BIN, OFFLINE, REPO, WORKERS, assert_same_losses, assert_same_params, discovery, hvdtrain,
+                     load_params, read_metrics, run_cmd, step_losses, train_workers)
 from hvdtrain import checkpoint
 from hvdtrain.metrics import FILE_NAME, read_records
 
 pytestmark = pytest.mark.workers
 STEPS = 8
 ELASTIC = {"train": {"global_batch_size": 8, "max_steps": STEPS}, "elastic": {"commit_every": 2}}
-
-
-def discovery(tmp_path, hosts: list[str]):
-    """A discovery script printing the lines of hosts.txt, which a test may change."""
-    (tmp_path / "hosts.txt").write_text("".join(f"{h}\n" for h in hosts))
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts.txt'}\n")
-    script.chmod(0o755)
-    return script
 
 
 def elastic_run(np: int, tmp_path, config, out, env: dict, *overrides, min_np=1, max_np=2):
@@ -60,7 +51,7 @@ def test_a_lost_worker_leaves_one_that_finishes_like_a_single_worker(tmp_path, o
     assert_same_params(load_params(reference, 0), load_params(out, 0), atol=1e-5)
     [reset] = events(out)
     assert reset["event"] == "reset" and reset["old_world_size"] == 2 and reset["world_size"] == 1
-    assert reset["step"] == 4 and reset["steps_rolled_back"] >= 0  # back to the commit of step 4
+    assert reset["step"] == 4 and reset["steps_rolled_back"] == 1  # step 5 done, back to the commit of step 4
     assert [r["world_size"] for r in read_metrics(out)[0]] == [2] * 4 + [1] * 4
     assert checkpoint.newest_intact_checkpoint(out).name == f"step_{STEPS:08d}"  # written by the new rank 0
 
@@ -81,6 +72,42 @@ def test_an_added_host_joins_and_the_run_equals_a_single_worker(tmp_path, one_wo
     train_workers(1, config, f"out_dir={straight}", "train.max_steps=12")
     assert_same_losses(step_losses(straight), losses, min_steps=12)
     assert_same_params(load_params(straight, 0), load_params(out, 0), atol=1e-5)
+
+
+def test_a_host_added_before_the_runs_last_commit_leaves_its_checkpoint_and_pause(tmp_path, one_worker):
+    """A host appears while a run paused at train.stop_at_step=6 takes its last steps (commits
+    only at checkpoints): the checkpoint of step 6 is written and the run stops there, with no
+    reset. (The commit's host check used to come first and raise: no checkpoint of step 6, and
+    the re-entered run went on to train.max_steps.)"""
+    config, _ = one_worker
+    out = tmp_path / "run"
+    elastic_run(1, tmp_path, config, out, {"HVDTRAIN_TEST_ADD_HOST": f"1:{tmp_path / 'hosts.txt'}:127.0.0.1:1"},
+                "train.stop_at_step=6", "elastic.commit_every=100", "train.slow_ranks=[0]", "train.slow_seconds=0.4")
+    assert "127.0.0.1:1" in (tmp_path / "hosts.txt").read_text()
+    assert [p.name for p in checkpoint.list_checkpoints(out)] == ["step_00000006"]
+    assert sorted(step_losses(out)) == list(range(1, 7)) and not events(out)
+
+
+def test_a_host_added_before_a_checkpoints_commit_leaves_the_checkpoint(tmp_path, one_worker):
+    """Commits only at the checkpoint of step 4: the host appears before it, so the commit after
+    the checkpoint raises and the run goes on with 2 workers; the checkpoint is there."""
+    config, reference = one_worker
+    out = tmp_path / "run"
+    elastic_run(1, tmp_path, config, out, {"HVDTRAIN_TEST_ADD_HOST": f"1:{tmp_path / 'hosts.txt'}:127.0.0.1:1"},
+                "checkpoint.every=4", "elastic.commit_every=100", "train.slow_ranks=[0]", "train.slow_seconds=0.4")
+    assert [p.name for p in checkpoint.list_checkpoints(out)] == ["step_00000004", f"step_{STEPS:08d}"]
+    [reset] = events(out)
+    assert (reset["step"], reset["reason"], reset["world_size"]) == (4, "the hosts changed", 2)
+    assert_same_losses(step_losses(reference), step_losses(out), min_steps=STEPS)
+
+
+def test_an_elastic_job_resumes_from_its_checkpoint_like_a_plain_run(tmp_path, one_worker):
+    config, reference = one_worker
+    out = tmp_path / "run"
+    elastic_run(2, tmp_path, config, out, {}, "train.stop_at_step=4")
+    assert "resuming at step 4" in elastic_run(2, tmp_path, config, out, {}).stdout
+    assert_same_losses(step_losses(reference), step_losses(out), min_steps=STEPS)
+    assert_same_params(load_params(reference, 0), load_params(out, 0), atol=1e-5)
 
 
 def test_below_min_np_too_long_stops_clearly_and_the_checkpoint_resumes(tmp_path, tiny_config):

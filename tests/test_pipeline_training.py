@@ -111,3 +111,31 @@ def test_impossible_layouts_are_one_line(tmp_path, tiny_config, overrides, words
 def test_more_stages_than_layers_is_refused_before_any_worker_starts(tmp_path, tiny_config):
     proc = hvdtrain("train", tiny_config(), f"out_dir={tmp_path / 'run'}", "parallel.pipeline_stages=4")
     assert proc.returncode == 2 and "'parallel.pipeline_stages'" in proc.stderr and "model.n_layer=2" in proc.stderr
+
+
+def test_each_stage_checksums_its_own_part_and_a_damaged_part_is_found_at_resume(tmp_path, tiny_config):
+    """With 2 stages rank 1 writes, fsyncs and checksums stage 2's part; rank 0 writes the
+    manifest from the checksums it is sent, reading no byte of that part. A part damaged later
+    is set aside at resume, which continues from the checkpoint before."""
+    from helpers import WORKERS
+    config = tiny_config({**PIPE, "train": {**PIPE["train"], "max_steps": 6}, "checkpoint": {"every": 2, "keep": 3}})
+    out = tmp_path / "run"
+    train_workers(2, config, f"out_dir={out}", "parallel.pipeline_stages=2", "train.stop_at_step=4",
+                  worker="count_checksums.py")
+    second = {"model-00002-of-00002.safetensors", "optimizer-00002-of-00002.safetensors"}
+    first = {"model-00001-of-00002.safetensors", "optimizer-00001-of-00002.safetensors"}
+    by_rank = [(out / f"checksummed_rank{r}.txt").read_text().split() for r in (0, 1)]
+    assert not second & set(by_rank[0]) and first <= set(by_rank[0])
+    assert sorted(by_rank[1]) == sorted([*second, *second])  # its part of steps 2 and 4, nothing else
+    newest = checkpoint.newest_intact_checkpoint(out)
+    assert newest.name == "step_00000004" and checkpoint.problem(newest) is None  # the manifest is right
+    assert second <= {p.name for p in newest.iterdir()}
+    damaged = newest / "model-00002-of-00002.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    damaged.write_bytes(bytes(data))
+    proc = train_workers(2, config, f"out_dir={out}", "parallel.pipeline_stages=2")
+    assert "model-00002-of-00002.safetensors does not match its checksum" in proc.stdout + proc.stderr
+    assert "resuming at step 2" in proc.stdout
+    assert (checkpoint.checkpoint_dir(out) / "damaged-step_00000004").is_dir()
+    assert sorted(step_losses(out)) == list(range(1, 7))

@@ -153,3 +153,67 @@ def test_horovod_timeline_and_autotune_log_land_in_a_new_run_folder(tmp_path, ti
     events = json.loads((out / "timeline.json").read_text())  # closed: the run stopped the timeline
     assert any("ALLREDUCE" in str(e) for e in events)
     assert (out / "horovod_autotune.csv").read_text().startswith("hierarchical_allreduce,")
+
+
+def launch(launcher: str, tmp_path, config, out, *overrides):
+    """`hvdtrain train` (a plain run of one worker) or `hvdtrain launch --elastic` (two workers)."""
+    from helpers import discovery, hvdtrain
+    if launcher == "plain":
+        return hvdtrain("train", config, f"out_dir={out}", *overrides, timeout=240)
+    return hvdtrain("launch", "--elastic", "-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script",
+                    discovery(tmp_path, ["localhost:1", "127.0.0.1:1"]), "--network-interface", "lo", config,
+                    f"out_dir={out}", *overrides, timeout=240)
+
+
+def folder_bytes(out) -> dict:
+    """Every folder and file under `out`, with each file's bytes."""
+    return {p.relative_to(out): p.read_bytes() if p.is_file() else None for p in out.rglob("*")}
+
+
+def assert_refused(proc, words: list[str]):
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(lines) == 1 and all(w in lines[0] for w in words), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+ELASTIC_READY = {"train": {"max_steps": STEPS, "global_batch_size": 8}, "checkpoint": {"every": 2}}
+
+
+@pytest.mark.parametrize("launcher", ["plain", "elastic"])
+def test_resume_false_refuses_a_folder_with_a_live_run_and_touches_nothing(tmp_path, tiny_config, launcher):
+    """The run in the folder is still going: its checkpoint of step 6 is being written. A plain
+    and an elastic job refuse alike, before anything there is touched."""
+    from helpers import hvdtrain
+    config = tiny_config(ELASTIC_READY)
+    out = tmp_path / "run"
+    assert hvdtrain("train", config, f"out_dir={out}", f"train.stop_at_step={HALF}").returncode == 0
+    in_flight = checkpoint.checkpoint_dir(out) / ".tmp-step_00000006"
+    in_flight.mkdir()
+    (in_flight / "model.safetensors").write_bytes(b"being written")
+    before = folder_bytes(out)
+    proc = launch(launcher, tmp_path, config, out, "checkpoint.resume=false")
+    assert_refused(proc, [f"out_dir '{out}' holds another run", "checkpoint.resume is false"])
+    assert folder_bytes(out) == before
+
+
+@pytest.mark.parametrize("launcher", ["plain", "elastic"])
+def test_no_intact_checkpoint_is_refused_naming_what_was_set_aside(tmp_path, tiny_config, launcher):
+    """Every checkpoint damaged: the run is not restarted at step 0 into the same metrics.jsonl;
+    the same command says so again (the checkpoints stay set aside)."""
+    import os
+
+    from hvdtrain.metrics import FILE_NAME
+    from helpers import hvdtrain
+    config = tiny_config(ELASTIC_READY)
+    out = tmp_path / "run"
+    assert hvdtrain("train", config, f"out_dir={out}", f"train.stop_at_step={HALF}").returncode == 0
+    for path in checkpoint.list_checkpoints(out):
+        os.truncate(path / "model.safetensors", 100)
+    records, exported = (out / FILE_NAME).read_bytes(), folder_bytes(out / "hf")
+    words = [f"out_dir '{out}' holds a run but no intact checkpoint", "damaged-step_00000002",
+             "damaged-step_00000004", "move that run away"]
+    for _ in range(2):
+        assert_refused(launch(launcher, tmp_path, config, out), words)
+        assert (out / FILE_NAME).read_bytes() == records
+        assert folder_bytes(out / "hf") == exported and not checkpoint.list_checkpoints(out)
