@@ -10,12 +10,15 @@ and writes the files (hvdtrain.checkpoint); what every rank must hold equal afte
 (weights, optimizer state, loss scale, progress) is broadcast from rank 0, so the replicas
 cannot drift apart.
 """
+import logging
 from pathlib import Path
 
 from hvdtrain import checkpoint, distributed, rng
 from hvdtrain.config import Config
 from hvdtrain.errors import UserError
 from hvdtrain.metrics import FILE_NAME
+
+log = logging.getLogger(__name__)
 
 # A resume must continue the same model on the same sample stream: every key of the `model`
 # and `data` sections must match the checkpoint's, except these, which change how the run
@@ -62,9 +65,11 @@ def resume_decision(cfg: Config) -> Path | None:
     whatever state its files are in: a new run must neither delete nor append to another
     run's files, and a checkpoint being written there (`.tmp-step_N`) may be a live run's.
     checkpoint.resume=true: the folder's run is continued, so a crash's leftovers are
-    recovered first and damaged checkpoints set aside; when none is intact the run is refused
-    rather than restarted at step 0 into the same metrics (as Megatron and torchtitan stop at
-    a checkpoint they cannot load): starting that run again is the user's decision."""
+    recovered first and damaged checkpoints set aside. When its checkpoints are all damaged the
+    run is refused rather than restarted at step 0 (as Megatron and torchtitan stop at a
+    checkpoint they cannot load): starting that run again is the user's decision. A run that
+    stopped before its first checkpoint (a requeued job killed early) starts again at step 0,
+    saying so; its run log keeps none of the earlier attempt's step records."""
     out = Path(cfg.out_dir)
     run_files = [p for p in [out / FILE_NAME, *sorted(checkpoint.checkpoint_dir(out).glob("*"))] if p.exists()]
     if not cfg.checkpoint.resume:
@@ -75,11 +80,14 @@ def resume_decision(cfg: Config) -> Path | None:
     checkpoint.recover_interrupted_writes(out)
     path = checkpoint.newest_intact_checkpoint(out)
     if path is None:
+        damaged = sorted(p.name for p in checkpoint.checkpoint_dir(out).glob("damaged-*"))
+        if damaged:
+            raise UserError(f"out_dir '{out}' holds a run but no intact checkpoint to continue it from (set aside "
+                            f"as damaged: {', '.join(damaged)}); to start it again from step 0, move that run away "
+                            f"first, or choose another out_dir")
         if run_files:
-            damaged = sorted(p.name for p in checkpoint.checkpoint_dir(out).glob("damaged-*"))
-            aside = f" (set aside as damaged: {', '.join(damaged)})" if damaged else ""
-            raise UserError(f"out_dir '{out}' holds a run but no intact checkpoint to continue it from{aside}; "
-                            f"to start it again from step 0, move that run away first, or choose another out_dir")
+            log.info(f"out_dir '{out}' holds a run that stopped before its first checkpoint: starting it again "
+                     f"from step 0")
         return None
     problem = resume_problem(checkpoint.read_state(path)["config"], cfg, path)
     if problem:

@@ -1,5 +1,7 @@
 """Resume: the same command continues exactly where training stopped, also with another
 number of workers, and a kill during a checkpoint write leaves the previous one usable."""
+import json
+
 import pytest
 
 from helpers import (WORKERS, assert_same_losses, assert_same_params, horovodrun, load_params, step_losses,
@@ -217,3 +219,23 @@ def test_no_intact_checkpoint_is_refused_naming_what_was_set_aside(tmp_path, tin
         assert_refused(launch(launcher, tmp_path, config, out), words)
         assert (out / FILE_NAME).read_bytes() == records
         assert folder_bytes(out / "hf") == exported and not checkpoint.list_checkpoints(out)
+
+
+def test_a_run_stopped_before_its_first_checkpoint_starts_again_at_step_0(tmp_path, tiny_config):
+    """A requeued job killed before its first checkpoint (its metrics.jsonl and a half-written
+    checkpoint are there): the same command starts it again from step 0, saying so, and the run
+    log holds each step once, with an uninterrupted run's losses."""
+    from helpers import hvdtrain
+    config = tiny_config({"train": {"max_steps": STEPS}, "checkpoint": {"every": 4}})
+    out, straight = tmp_path / "run", tmp_path / "straight"
+    assert hvdtrain("train", config, f"out_dir={straight}").returncode == 0
+    assert hvdtrain("train", config, f"out_dir={out}", "train.stop_at_step=3", "checkpoint.every=0").returncode == 0
+    for path in checkpoint.list_checkpoints(out):  # the pause's checkpoint: as if it had never been written
+        path.rename(path.with_name(".tmp-" + path.name))
+    proc = hvdtrain("train", config, f"out_dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"out_dir '{out}' holds a run that stopped before its first checkpoint: starting it again from step 0" \
+        in proc.stdout
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "loss" in r] == list(range(1, STEPS + 1))  # as written: each step once
+    assert_same_losses(step_losses(straight), step_losses(out), min_steps=STEPS)
