@@ -1,7 +1,8 @@
 """Which samples each rank reads at each step.
 
 The data is treated as one endless stream: epoch 0's shuffled order, then epoch 1's, and
-so on (each epoch a fresh permutation from the seed). Optimizer step `s` consumes stream
+so on (each epoch a fresh permutation from the seed and the epoch, computed per position by
+`permute`: no table, so memory does not grow with the dataset). Optimizer step `s` consumes stream
 positions [s*G, (s+1)*G) where G is the global batch. So:
 
 * the samples of a global batch depend only on the seed, the dataset and G, never on the
@@ -15,6 +16,33 @@ and cuts it into `accum` micro batches. Ranks' slices are disjoint; together the
 """
 import numpy as np
 import torch
+
+from hvdtrain.data.randomness import hash_int, mix64
+
+FEISTEL_ROUNDS = 6  # 4 already make a pseudorandom permutation (Luby-Rackoff); 2 more for margin
+
+
+def permute(offsets: np.ndarray, n: int, seed: int, epoch: int) -> np.ndarray:
+    """Where each of `offsets` (in [0, n)) goes in epoch `epoch`'s shuffled order: a seeded
+    bijection on [0, n), evaluated per element with no table of n entries.
+
+    A Feistel network over the smallest domain of 4**h >= n values (h bits per half, each round
+    mixing one half with a hash of the other and a round key from (seed, epoch, round)) is a
+    bijection on [0, 4**h); cycle walking (apply it again while the result is >= n) restricts it
+    to a bijection on [0, n). The domain is less than 4n, so that takes under 4 rounds of the
+    network on average, vectorised over all offsets at once."""
+    half = max(1, (max(n - 1, 1).bit_length() + 1) // 2)
+    mask = np.uint64((1 << half) - 1)
+    keys = [np.uint64(hash_int(seed, epoch, r)) for r in range(FEISTEL_ROUNDS)]
+    x = np.asarray(offsets, dtype=np.uint64).copy()
+    todo = np.arange(len(x))  # the elements still walking
+    while len(todo):
+        left, right = x[todo] >> np.uint64(half), x[todo] & mask
+        for key in keys:
+            left, right = right, left ^ (mix64(right ^ key) & mask)
+        x[todo] = (left << np.uint64(half)) | right
+        todo = todo[x[todo] >= np.uint64(n)]
+    return x.astype(np.int64)
 
 
 class StreamSampler(torch.utils.data.Sampler):
@@ -40,21 +68,16 @@ class StreamSampler(torch.utils.data.Sampler):
             raise ValueError(f"start position {start_position} is not a multiple of the global batch {self.global_batch}")
         self.start_position = start_position
         self.max_steps = max_steps
-        self._perm_epoch, self._perm = -1, None
-
-    def permutation(self, epoch: int) -> np.ndarray:
-        if epoch != self._perm_epoch:
-            rng = np.random.default_rng([self.seed, epoch])
-            self._perm, self._perm_epoch = rng.permutation(self.n), epoch
-        return self._perm
 
     def keys(self, start: int, count: int) -> list[tuple[int, int]]:
         """(position, dataset index) for stream positions [start, start+count)."""
-        out = []
-        for pos in range(start, start + count):
-            epoch, offset = divmod(pos, self.n)
-            out.append((pos, int(self.permutation(epoch)[offset])))
-        return out
+        positions = np.arange(start, start + count, dtype=np.int64)
+        epochs, offsets = np.divmod(positions, self.n)
+        indices = np.empty_like(offsets)
+        for epoch in np.unique(epochs):  # one, or two where the range crosses an epoch's end
+            picked = epochs == epoch
+            indices[picked] = permute(offsets[picked], self.n, self.seed, int(epoch))
+        return list(zip(positions.tolist(), indices.tolist()))
 
     def global_batch_keys(self, step: int) -> list[tuple[int, int]]:
         return self.keys(step * self.global_batch, self.global_batch)

@@ -1,8 +1,12 @@
 """The stream sampler: disjoint, covering, reshuffled per epoch, deterministic, and the same
 global batches whatever the world size (no processes needed)."""
+import time
+import tracemalloc
+
+import numpy as np
 import pytest
 
-from hvdtrain.sampler import EvalSampler, StreamSampler
+from hvdtrain.sampler import EvalSampler, StreamSampler, permute
 
 
 def rank_batches(n, micro, accum, world, seed=0, steps=10, start=0):
@@ -74,11 +78,53 @@ def test_resume_jumps_to_the_next_unseen_sample():
 
 
 def test_resume_does_not_iterate_through_seen_batches():
-    """Starting at a position far away costs no replay: only that epoch's permutation is drawn."""
+    """Starting at a position far away costs no replay: the keys there are computed directly."""
     s = StreamSampler(1000, 10, 1, 0, 1, seed=0, start_position=10_000_000, max_steps=1_000_001)
+    start = time.perf_counter()
     first = next(iter(s))
+    assert time.perf_counter() - start < 1.0
     assert [p for p, _ in first] == list(range(10_000_000, 10_000_010))
-    assert s._perm_epoch == 10_000
+    assert first == StreamSampler(1000, 10, 1, 0, 1, seed=0).keys(10_000_000, 10)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 16, 17, 64, 97, 1000, 1024, 4099, 65_536])  # primes, powers of 2
+def test_permutation_covers_every_index_once(n):
+    for seed, epoch in [(0, 0), (7, 3)]:
+        order = permute(np.arange(n), n, seed, epoch)
+        assert np.array_equal(np.sort(order), np.arange(n))
+
+
+def test_permutation_differs_per_epoch_and_seed_and_looks_shuffled():
+    n = 10_000
+    orders = {(seed, epoch): permute(np.arange(n), n, seed, epoch).tolist() for seed in (0, 1) for epoch in (0, 1, 2)}
+    assert len({tuple(o) for o in orders.values()}) == len(orders)
+    for order in orders.values():  # no trace of the input order: rank correlation ~ 1/sqrt(n)
+        assert abs(np.corrcoef(np.arange(n), order)[0, 1]) < 0.05
+        assert np.mean(np.abs(np.diff(order)) == 1) < 0.01  # neighbours do not stay neighbours
+
+
+def test_permutation_needs_no_table_at_a_billion_blocks():
+    """1T tokens in 1024-token blocks: a step's keys take kilobytes, not 8 bytes per block."""
+    n = 10 ** 9
+    sampler = StreamSampler(n, 8, 4, 3, 16, seed=1, start_position=5 * n + 512 * 1000)
+    tracemalloc.start()
+    start = time.perf_counter()
+    keys = sampler.rank_slice(1000)
+    elapsed = time.perf_counter() - start
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert len(keys) == 32 and all(0 <= i < n for _, i in keys)
+    assert peak < 1_000_000, f"{peak} bytes for 32 keys"
+    assert elapsed < 0.5
+    big = permute(np.arange(0, n, 15_259), n, 1, 5)  # a global batch of 65,536 keys
+    assert len(np.unique(big)) == len(big) and big.max() < n
+
+
+def test_a_step_of_keys_is_fast():
+    sampler = StreamSampler(50_000_000, 32, 8, 0, 256, seed=2)  # global batch 65,536
+    start = time.perf_counter()
+    keys = sampler.global_batch_keys(10)
+    assert len(keys) == 65_536 and time.perf_counter() - start < 1.0
 
 
 def test_start_position_must_fall_on_a_step_boundary():

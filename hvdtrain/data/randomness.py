@@ -1,8 +1,29 @@
 """Random numbers that are pure functions of counters, so that they never depend on which
 process draws them, in what order, or how often: BERT's masks (a function of the sample's
-stream position) and the held-out validation documents (a function of the document's
-position in the corpus). numpy only, so the tokenizing processes can use it too."""
+stream position), the held-out validation documents (a function of the document's position
+in the corpus), the sampler's permutation and each epoch's block grid. numpy only, so the
+tokenizing processes can use it too."""
 import numpy as np
+
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijection on uint64 whose every output bit depends on every
+    input bit. Wraps around on overflow, as it is meant to."""
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def hash_int(*counters: int) -> int:
+    """A 64-bit hash of a few non-negative counters (e.g. seed, epoch, round): mix64 chained."""
+    z = np.uint64(0)
+    with np.errstate(over="ignore"):
+        for c in counters:
+            z = mix64(np.uint64(z + GOLDEN) ^ np.uint64(c))
+    return int(z)
 
 
 def uniform(seed: int, positions: np.ndarray, length: int, stream: int) -> np.ndarray:
@@ -11,9 +32,6 @@ def uniform(seed: int, positions: np.ndarray, length: int, stream: int) -> np.nd
     there is no per-sample generator to create (that cost ~2% of a tiny model's step)."""
     with np.errstate(over="ignore"):
         z = (positions.astype(np.uint64)[:, None] * np.uint64(length) + np.arange(length, dtype=np.uint64))
-        z = z * np.uint64(8) + np.uint64(stream) + np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15)
-        z = z + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
+        z = z * np.uint64(8) + np.uint64(stream) + np.uint64(seed) * GOLDEN
+        z = mix64(z + GOLDEN)
     return (z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
