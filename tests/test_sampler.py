@@ -1,16 +1,20 @@
-"""The stream sampler: disjoint, covering, reshuffled per epoch, deterministic, and the same
-global batches whatever the world size (no processes needed)."""
+"""The stream sampler: disjoint, covering, reshuffled per epoch (a permutation without a
+table), deterministic, and the same global batches whatever the world size; and each epoch's
+grid of token blocks (no processes needed)."""
 import time
 import tracemalloc
 
 import numpy as np
 import pytest
 
-from hvdtrain.sampler import EvalSampler, StreamSampler, permute
+from hvdtrain.data.bundle import TokenBlocks
+from hvdtrain.data.randomness import permute
+from hvdtrain.data.token_files import TokenStream
+from hvdtrain.sampler import EvalSampler, StreamSampler
 
 
 def rank_batches(n, micro, accum, world, seed=0, steps=10, start=0):
-    """{rank: list of micro batches (lists of (position, index))} for `steps` steps."""
+    """{rank: list of micro batches (lists of (position, epoch, index))} for `steps` steps."""
     return {r: list(StreamSampler(n, micro, accum, r, world, seed, start_position=start, max_steps=steps))
             for r in range(world)}
 
@@ -21,7 +25,7 @@ def global_batches(n, micro, accum, world, seed=0, steps=10, start=0):
     out = []
     for s in range(steps - start // (micro * accum * world)):
         keys = [k for r in range(world) for mb in per_rank[r][s * accum:(s + 1) * accum] for k in mb]
-        out.append(sorted(i for _, i in keys))
+        out.append(sorted(i for _, _, i in keys))
     return out
 
 
@@ -31,8 +35,9 @@ def test_each_epoch_covers_the_dataset_once_and_shards_are_disjoint(n):
     per_rank = rank_batches(n, micro, accum, world, steps=60)
     positions = {}
     for r, batches in per_rank.items():
-        for pos, idx in (k for mb in batches for k in mb):
+        for pos, epoch, idx in (k for mb in batches for k in mb):
             assert pos not in positions, "a stream position was read by two ranks"
+            assert epoch == pos // n
             positions[pos] = idx
     assert sorted(positions) == list(range(len(positions)))  # no gaps
     full_epochs = len(positions) // n
@@ -48,9 +53,10 @@ def test_tail_of_an_epoch_continues_into_the_next():
     """67 samples, global batch 8: step 8 holds the last 3 samples of epoch 0 and 5 of epoch 1."""
     s = StreamSampler(67, 4, 1, 0, 2, seed=1)
     keys = s.global_batch_keys(8)
-    assert [p for p, _ in keys] == list(range(64, 72))
-    epoch0_tail = {i for p, i in keys if p < 67}
-    seen_before = {i for step in range(8) for _, i in s.global_batch_keys(step)}
+    assert [p for p, _, _ in keys] == list(range(64, 72))
+    assert [e for _, e, _ in keys] == [0] * 3 + [1] * 5
+    epoch0_tail = {i for p, _, i in keys if p < 67}
+    seen_before = {i for step in range(8) for _, _, i in s.global_batch_keys(step)}
     assert len(epoch0_tail) == 3 and not epoch0_tail & seen_before
     assert seen_before | epoch0_tail == set(range(67))
 
@@ -83,7 +89,7 @@ def test_resume_does_not_iterate_through_seen_batches():
     start = time.perf_counter()
     first = next(iter(s))
     assert time.perf_counter() - start < 1.0
-    assert [p for p, _ in first] == list(range(10_000_000, 10_000_010))
+    assert [p for p, _, _ in first] == list(range(10_000_000, 10_000_010))
     assert first == StreamSampler(1000, 10, 1, 0, 1, seed=0).keys(10_000_000, 10)
 
 
@@ -106,14 +112,14 @@ def test_permutation_differs_per_epoch_and_seed_and_looks_shuffled():
 def test_permutation_needs_no_table_at_a_billion_blocks():
     """1T tokens in 1024-token blocks: a step's keys take kilobytes, not 8 bytes per block."""
     n = 10 ** 9
-    sampler = StreamSampler(n, 8, 4, 3, 16, seed=1, start_position=5 * n + 512 * 1000)
+    sampler = StreamSampler(n, 8, 4, 3, 16, seed=1)  # global batch 512
     tracemalloc.start()
     start = time.perf_counter()
-    keys = sampler.rank_slice(1000)
+    keys = sampler.rank_slice(5 * n // 512 + 1000)  # in epoch 5
     elapsed = time.perf_counter() - start
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    assert len(keys) == 32 and all(0 <= i < n for _, i in keys)
+    assert len(keys) == 32 and all(0 <= i < n and e == 5 for _, e, i in keys)
     assert peak < 1_000_000, f"{peak} bytes for 32 keys"
     assert elapsed < 0.5
     big = permute(np.arange(0, n, 15_259), n, 1, 5)  # a global batch of 65,536 keys
@@ -137,3 +143,43 @@ def test_eval_sampler_is_the_same_set_for_any_world_size():
         return sorted(k for r in range(world) for b in EvalSampler(10, 3, 5, r, world) for k in b)
     assert keys(1) == keys(2) == keys(4)
     assert len(keys(1)) == 15
+
+
+# ---------------------------------------------------------------- each epoch's block grid
+
+def stream_blocks(length, width, grid_seed=3):
+    """TokenBlocks over tokens 0, 1, ..., length-1: a block's first token is where it starts."""
+    tokens = np.arange(length, dtype=np.int32)
+    return TokenBlocks(TokenStream([tokens], [length], tokens.dtype), width, grid_seed=grid_seed)
+
+
+@pytest.mark.parametrize("length, width", [(1000, 16), (1007, 16), (100, 7), (33, 16)])
+def test_every_epoch_cuts_new_windows_of_the_stream_with_the_same_number_of_blocks(length, width):
+    blocks = stream_blocks(length, width)
+    n = len(blocks)
+    epoch0 = [blocks.block(i, 0).tolist() for i in range(n)]
+    assert epoch0 == [list(range(i * width, (i + 1) * width)) for i in range(n)]  # one-epoch runs unchanged
+    offsets = []
+    for epoch in range(1, 3 * width):
+        grid = [blocks.block(i, epoch) for i in range(n)]
+        start = grid[0][0]
+        offsets.append(int(start))
+        for i, block in enumerate(grid):  # windows of the stream, wrapping around its end
+            assert block.tolist() == [(start + i * width + k) % length for k in range(width)]
+        tokens = np.concatenate(grid)
+        assert len(np.unique(tokens)) == n * width, "a token read twice in one epoch"
+        if start != 0:  # never in epochs 1 .. width-1 (checked below)
+            assert not {tuple(b.tolist()) for b in grid} & {tuple(b) for b in epoch0}, "an epoch-0 window again"
+    # Any `width` consecutive rounds' epochs have different offsets: every offset once per round.
+    assert sorted([0] + offsets[:width - 1]) == list(range(width))
+    assert sorted(offsets[width - 1:2 * width - 1]) == list(range(width))
+    assert offsets != [o for o in [stream_blocks(length, width, grid_seed=4).block(0, e)[0] for e in range(1, 3 * width)]]
+
+
+def test_a_fixed_grid_without_a_seed_and_keys_name_the_epoch():
+    fixed = stream_blocks(100, 10, grid_seed=None)
+    assert all(fixed.block(3, e).tolist() == list(range(30, 40)) for e in range(5))
+    shifted = stream_blocks(100, 10)
+    sample = shifted[(123, 2, 4)]
+    assert sample["position"] == 123 and sample["input_ids"].tolist() == shifted.block(4, 2).tolist()
+    assert shifted.block(4, 2).tolist() != fixed.block(4, 2).tolist()
