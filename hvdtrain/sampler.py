@@ -15,13 +15,24 @@ A key names the epoch as well as the block: a dataset may cut each epoch differe
 blocks are cut from a grid shifted per epoch, hvdtrain.data.bundle.TokenBlocks), with the
 same number of blocks in every epoch.
 
-Within a global batch, rank r takes the r-th contiguous slice of micro_batch*accum samples
-and cuts it into `accum` micro batches. Ranks' slices are disjoint; together they cover G.
+Within a global batch, rank r of W takes the contiguous share [r*G//W, (r+1)*G//W) and cuts
+it evenly into `accum` micro batches (config.resolve_batch chooses accum so that none is larger
+than train.micro_batch_size). Shares are disjoint and together cover G. When W does not divide
+G the shares differ by one sample, and so may the micro batches, but every rank runs the same
+number of them (Horovod's backward_passes_per_step); the loss is normalised by the target
+tokens of the whole step, so the step's gradient is the same as with even shares.
 """
 import numpy as np
 import torch
 
 from hvdtrain.data.randomness import permute
+
+STAND_IN = None  # the key of a micro batch's stand-in sample (see StreamSampler)
+
+
+def share(global_batch: int, rank: int, world_size: int) -> range:
+    """The places in each global batch that rank `rank` of `world_size` reads."""
+    return range(rank * global_batch // world_size, (rank + 1) * global_batch // world_size)
 
 
 class StreamSampler(torch.utils.data.Sampler):
@@ -30,17 +41,20 @@ class StreamSampler(torch.utils.data.Sampler):
     Use as `DataLoader(dataset, batch_sampler=StreamSampler(...))`. The position travels with
     the sample so per-sample randomness (e.g. BERT masking) can be seeded from it, which makes
     it independent of the world size and exact on resume.
+
+    A micro batch that would be empty (a share of fewer than `grad_accum` samples, which only
+    micro batches of one sample allow) holds the key STAND_IN instead: a dataset serves it as a
+    sample without a stream position, which the collators give no targets, so the rank still
+    runs its backward pass and adds nothing to the gradients or the step's target count.
     """
 
-    def __init__(self, dataset_size: int, micro_batch: int, grad_accum: int, rank: int, world_size: int,
+    def __init__(self, dataset_size: int, global_batch: int, grad_accum: int, rank: int, world_size: int,
                  seed: int, start_position: int = 0, max_steps: int | None = None):
         self.n = dataset_size
-        self.micro_batch = micro_batch
+        self.global_batch = global_batch
         self.grad_accum = grad_accum
-        self.rank = rank
-        self.world_size = world_size
+        self.share = share(global_batch, rank, world_size)
         self.seed = seed
-        self.global_batch = micro_batch * grad_accum * world_size
         if start_position % self.global_batch:
             # Checkpoints store positions at step boundaries; a different global batch on
             # resume is allowed as long as the position still falls on a step boundary.
@@ -62,15 +76,18 @@ class StreamSampler(torch.utils.data.Sampler):
         return self.keys(step * self.global_batch, self.global_batch)
 
     def rank_slice(self, step: int) -> list[tuple[int, int, int]]:
-        per_rank = self.micro_batch * self.grad_accum
-        return self.keys(step * self.global_batch + self.rank * per_rank, per_rank)
+        return self.keys(step * self.global_batch + self.share.start, len(self.share))
+
+    def micro_batches(self, step: int) -> list[list]:
+        """This rank's share of step `step`, cut evenly into grad_accum micro batches."""
+        mine = self.rank_slice(step)
+        cuts = [i * len(mine) // self.grad_accum for i in range(self.grad_accum + 1)]
+        return [mine[a:b] or [STAND_IN] for a, b in zip(cuts, cuts[1:])]
 
     def __iter__(self):
         step = self.start_position // self.global_batch
         while self.max_steps is None or step < self.max_steps:
-            mine = self.rank_slice(step)
-            for i in range(self.grad_accum):
-                yield mine[i * self.micro_batch:(i + 1) * self.micro_batch]
+            yield from self.micro_batches(step)
             step += 1
 
     def __len__(self):

@@ -6,16 +6,20 @@ import tracemalloc
 
 import numpy as np
 import pytest
+import torch
 
+from hvdtrain.config import load_config, resolve_batch
 from hvdtrain.data.bundle import TokenBlocks
 from hvdtrain.data.randomness import permute
 from hvdtrain.data.token_files import TokenStream
-from hvdtrain.sampler import EvalSampler, StreamSampler
+from hvdtrain.errors import UserError
+from hvdtrain.sampler import STAND_IN, EvalSampler, StreamSampler
 
 
 def rank_batches(n, micro, accum, world, seed=0, steps=10, start=0):
     """{rank: list of micro batches (lists of (position, epoch, index))} for `steps` steps."""
-    return {r: list(StreamSampler(n, micro, accum, r, world, seed, start_position=start, max_steps=steps))
+    return {r: list(StreamSampler(n, micro * accum * world, accum, r, world, seed, start_position=start,
+                                  max_steps=steps))
             for r in range(world)}
 
 
@@ -51,7 +55,7 @@ def test_each_epoch_covers_the_dataset_once_and_shards_are_disjoint(n):
 
 def test_tail_of_an_epoch_continues_into_the_next():
     """67 samples, global batch 8: step 8 holds the last 3 samples of epoch 0 and 5 of epoch 1."""
-    s = StreamSampler(67, 4, 1, 0, 2, seed=1)
+    s = StreamSampler(67, 8, 1, 0, 2, seed=1)
     keys = s.global_batch_keys(8)
     assert [p for p, _, _ in keys] == list(range(64, 72))
     assert [e for _, e, _ in keys] == [0] * 3 + [1] * 5
@@ -85,7 +89,7 @@ def test_resume_jumps_to_the_next_unseen_sample():
 
 def test_resume_does_not_iterate_through_seen_batches():
     """Starting at a position far away costs no replay: the keys there are computed directly."""
-    s = StreamSampler(1000, 10, 1, 0, 1, seed=0, start_position=10_000_000, max_steps=1_000_001)
+    s = StreamSampler(1000, 10, 1, 0, 1, seed=0, start_position=10_000_000, max_steps=1_000_001)  # world of 1
     start = time.perf_counter()
     first = next(iter(s))
     assert time.perf_counter() - start < 1.0
@@ -112,7 +116,7 @@ def test_permutation_differs_per_epoch_and_seed_and_looks_shuffled():
 def test_permutation_needs_no_table_at_a_billion_blocks():
     """1T tokens in 1024-token blocks: a step's keys take kilobytes, not 8 bytes per block."""
     n = 10 ** 9
-    sampler = StreamSampler(n, 8, 4, 3, 16, seed=1)  # global batch 512
+    sampler = StreamSampler(n, 512, 4, 3, 16, seed=1)
     tracemalloc.start()
     start = time.perf_counter()
     keys = sampler.rank_slice(5 * n // 512 + 1000)  # in epoch 5
@@ -127,7 +131,7 @@ def test_permutation_needs_no_table_at_a_billion_blocks():
 
 
 def test_a_step_of_keys_is_fast():
-    sampler = StreamSampler(50_000_000, 32, 8, 0, 256, seed=2)  # global batch 65,536
+    sampler = StreamSampler(50_000_000, 65_536, 8, 0, 256, seed=2)
     start = time.perf_counter()
     keys = sampler.global_batch_keys(10)
     assert len(keys) == 65_536 and time.perf_counter() - start < 1.0
@@ -135,7 +139,55 @@ def test_a_step_of_keys_is_fast():
 
 def test_start_position_must_fall_on_a_step_boundary():
     with pytest.raises(ValueError):
-        StreamSampler(100, 4, 1, 0, 2, seed=0, start_position=4)
+        StreamSampler(100, 8, 1, 0, 2, seed=0, start_position=4)
+
+
+@pytest.mark.parametrize("global_batch, world, micro", [(512, 7, 8), (9, 2, 3), (10, 4, 8), (5, 2, 1), (7, 3, 1),
+                                                          (12, 2, 4), (6, 6, 2)])
+def test_uneven_shares_cover_the_global_batch_once_in_the_same_number_of_micro_batches(global_batch, world, micro):
+    """Global batches the world does not divide (512 on 7 workers at micro batch 8): each rank a
+    contiguous share, all ranks the same number of micro batches, none larger than micro, and
+    the same global batches as one worker reads."""
+    cfg = load_config(None, [f"train.global_batch_size={global_batch}", f"train.micro_batch_size={micro}"])
+    accum, resolved = resolve_batch(cfg, world)
+    assert resolved == global_batch
+    steps, n, accum_alone = 4, 1000, resolve_batch(cfg, 1)[0]
+    per_rank = [list(StreamSampler(n, global_batch, accum, r, world, seed=3, max_steps=steps)) for r in range(world)]
+    alone = list(StreamSampler(n, global_batch, accum_alone, 0, 1, seed=3, max_steps=steps))
+    stand_ins = 0
+    for step in range(steps):
+        micro_batches = [mb for r in range(world) for mb in per_rank[r][step * accum:(step + 1) * accum]]
+        assert len(micro_batches) == world * accum and all(1 <= len(mb) <= micro for mb in micro_batches)
+        keys = [k for mb in micro_batches for k in mb if k is not STAND_IN]
+        stand_ins += sum(k is STAND_IN for mb in micro_batches for k in mb)
+        assert [k[0] for k in keys] == list(range(step * global_batch, (step + 1) * global_batch))
+        assert keys == [k for mb in alone[step * accum_alone:(step + 1) * accum_alone] for k in mb]
+    # A stand-in only where a share is shorter than the micro batches: micro batch 1, uneven shares.
+    assert (stand_ins > 0) == (micro == 1 and global_batch % world != 0)
+
+
+def test_a_stand_in_sample_predicts_nothing():
+    """The key of an empty micro batch's place: block 0, no targets, no masks (GPT and BERT)."""
+    from hvdtrain.data.collate import CausalLMCollator, MaskedLMCollator
+    from hvdtrain.models import IGNORE_INDEX, Vocab
+    blocks = stream_blocks(100, 10)
+    samples = [blocks[(5, 0, 3)], blocks[STAND_IN]]
+    assert samples[1]["position"] is None and samples[1]["input_ids"].tolist() == list(range(10))
+    gpt = CausalLMCollator()(samples)
+    assert gpt["num_targets"] == 9 and (gpt["labels"][1] == IGNORE_INDEX).all()
+    assert gpt["labels"][0, :-1].tolist() == list(range(31, 40))
+    vocab = Vocab(size=200, pad_id=0, cls_id=2, sep_id=3, mask_id=4)
+    bert = MaskedLMCollator(vocab, 0.5, seed=1)(samples)
+    assert (bert["labels"][1] == IGNORE_INDEX).all() and bert["input_ids"][1].tolist() == list(range(10))
+    assert bert["num_targets"] == int((bert["labels"][0] != IGNORE_INDEX).sum()) > 0
+    alone = MaskedLMCollator(vocab, 0.5, seed=1)(samples[:1])  # the real sample's masks are its own
+    assert torch.equal(alone["labels"][0], bert["labels"][0])
+
+
+def test_a_global_batch_smaller_than_the_workers_is_refused():
+    cfg = load_config(None, ["train.global_batch_size=3", "train.micro_batch_size=1"])
+    with pytest.raises(UserError, match="train.global_batch_size.*smaller than the 4 workers"):
+        resolve_batch(cfg, 4)
 
 
 def test_eval_sampler_is_the_same_set_for_any_world_size():

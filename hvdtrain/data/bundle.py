@@ -20,6 +20,7 @@ from hvdtrain.data.randomness import permute
 from hvdtrain.data.token_files import TokenStream, check_split, read_index
 from hvdtrain.errors import UserError
 from hvdtrain.models import Vocab
+from hvdtrain.sampler import STAND_IN
 
 log = logging.getLogger(__name__)
 SYNTHETIC_SPECIALS = 5  # ids 0..4: pad, eos (GPT) / cls, sep, mask (BERT), unk
@@ -77,8 +78,10 @@ class TokenBlocks(torch.utils.data.Dataset):
             tokens.append(self.stream.read(0, self.width - head))
         return np.concatenate([self.prefix, *tokens, self.suffix])
 
-    def __getitem__(self, key: tuple[int, int, int]) -> dict:
-        position, epoch, index = key
+    def __getitem__(self, key: tuple[int, int, int] | None) -> dict:
+        """The sample of a sampler's key; for its STAND_IN key (None), block 0 without a stream
+        position: the collators give it no targets."""
+        position, epoch, index = key if key is not STAND_IN else (None, 0, 0)
         return {"input_ids": torch.from_numpy(self.block(index, epoch)), "position": position}
 
 
