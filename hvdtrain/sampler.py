@@ -2,8 +2,8 @@
 
 The data is treated as one endless stream: epoch 0's shuffled order, then epoch 1's, and
 so on (each epoch a fresh permutation from the seed and the epoch, computed per position by
-`permute`: no table, so memory does not grow with the dataset). Optimizer step `s` consumes stream
-positions [s*G, (s+1)*G) where G is the global batch. So:
+`permute`: no table, so memory does not grow with the dataset). Optimizer step `s` consumes
+stream positions [s*G, (s+1)*G) where G is the global batch. So:
 
 * the samples of a global batch depend only on the seed, the dataset and G, never on the
   world size: 1 worker with 4 accumulation steps and 4 workers with 1 see the same data;
@@ -58,7 +58,8 @@ class StreamSampler(torch.utils.data.Sampler):
         if start_position % self.global_batch:
             # Checkpoints store positions at step boundaries; a different global batch on
             # resume is allowed as long as the position still falls on a step boundary.
-            raise ValueError(f"start position {start_position} is not a multiple of the global batch {self.global_batch}")
+            raise ValueError(f"start position {start_position} is not a multiple of the global batch "
+                             f"{self.global_batch}")
         self.start_position = start_position
         self.max_steps = max_steps
 

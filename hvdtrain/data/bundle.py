@@ -44,15 +44,16 @@ class TokenBlocks(torch.utils.data.Dataset):
     Every epoch has the same len(self) blocks: the grid wraps around the end of the stream, so
     the last block of a shifted epoch continues at the stream's start (the stream ends with a
     document separator, so that is a document boundary like any other, unless data.max_tokens
-    cut the last document). What is dropped is the
-    len(stream) % width tokens just before o_e, a different stretch each epoch. With
-    `grid_seed` None every epoch has epoch 0's grid (synthetic blocks, which are separate
-    sequences rather than cuts of a stream, and validation blocks)."""
+    cut the last document). What is dropped is the len(stream) % width tokens just before o_e,
+    a different stretch each epoch. With `grid_seed` None every epoch has epoch 0's grid
+    (synthetic blocks, which are separate sequences rather than cuts of a stream, and
+    validation blocks)."""
 
     def __init__(self, stream: TokenStream, width: int, prefix: tuple[int, ...] = (), suffix: tuple[int, ...] = (),
                  grid_seed: int | None = None):
         self.stream, self.width, self.grid_seed = stream, width, grid_seed
         self.prefix, self.suffix = np.array(prefix, np.int64), np.array(suffix, np.int64)
+        self._offsets = {}  # epoch -> o_e, computed once per epoch, not per block
 
     def __len__(self):
         return len(self.stream) // self.width
@@ -62,7 +63,9 @@ class TokenBlocks(torch.utils.data.Dataset):
         shifted so that epoch 0's is 0."""
         if self.grid_seed is None:
             return 0
-        return (self._offset_order(epoch) - self._offset_order(0)) % self.width
+        if epoch not in self._offsets:
+            self._offsets[epoch] = (self._offset_order(epoch) - self._offset_order(0)) % self.width
+        return self._offsets[epoch]
 
     def _offset_order(self, epoch: int) -> int:
         rounds, place = divmod(epoch, self.width)

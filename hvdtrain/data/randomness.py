@@ -17,13 +17,14 @@ def mix64(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def hash_int(*counters: int) -> int:
-    """A 64-bit hash of a few non-negative counters (e.g. seed, epoch, round): mix64 chained."""
+def hash_counters(*counters) -> np.ndarray:
+    """64-bit hashes of a few non-negative counters (e.g. seed, epoch, round), mix64 chained;
+    arrays among them broadcast, so one call hashes many."""
     z = np.uint64(0)
     with np.errstate(over="ignore"):
         for c in counters:
-            z = mix64(np.uint64(z + GOLDEN) ^ np.uint64(c))
-    return int(z)
+            z = mix64((z + GOLDEN) ^ np.asarray(c, dtype=np.uint64))
+    return z
 
 
 def uniform(seed: int, positions: np.ndarray, length: int, stream: int) -> np.ndarray:
@@ -51,7 +52,7 @@ def permute(offsets: np.ndarray, n: int, seed: int, epoch: int) -> np.ndarray:
     network on average, vectorised over all offsets at once."""
     half = max(1, (max(n - 1, 1).bit_length() + 1) // 2)
     mask = np.uint64((1 << half) - 1)
-    keys = [np.uint64(hash_int(seed, epoch, r)) for r in range(FEISTEL_ROUNDS)]
+    keys = hash_counters(seed, epoch, np.arange(FEISTEL_ROUNDS))
     x = np.asarray(offsets, dtype=np.uint64).copy()
     todo = np.arange(len(x))  # the elements still walking
     while len(todo):
