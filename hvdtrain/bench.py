@@ -232,8 +232,8 @@ def compare_batches(cfg: Config, data, device, steps: int) -> list[list[dict]]:
 
     from hvdtrain.sampler import StreamSampler
 
-    grad_accum, _ = resolve_batch(cfg, 1)
-    sampler = StreamSampler(len(data.train), cfg.train.micro_batch_size, grad_accum, 0, 1, cfg.train.seed,
+    grad_accum, global_batch = resolve_batch(cfg, 1)
+    sampler = StreamSampler(len(data.train), global_batch, grad_accum, 0, 1, cfg.train.seed,
                             max_steps=2 * steps)
     micro = [{k: v.to(device) for k, v in data.collate([data.train[key] for key in keys]).items()
               if torch.is_tensor(v)} for keys in sampler]

@@ -61,7 +61,9 @@ class DataConfig:
 class TrainConfig:
     micro_batch_size: int = 8
     grad_accum: int = 1
-    # When set, grad_accum is derived: global = micro_batch_size * grad_accum * world_size.
+    # When set, grad_accum is derived: global = micro_batch_size * grad_accum * world_size, or
+    # where the workers do not divide it so, uneven shares of it in micro batches of at most
+    # micro_batch_size (see resolve_batch).
     global_batch_size: Optional[int] = None
     max_steps: int = 100
     # A pause: a run that starts before this step stops cleanly after it, with a checkpoint (a
@@ -405,8 +407,14 @@ def validate(cfg: Config):
 
 def resolve_batch(cfg: Config, world_size: int) -> tuple[int, int]:
     """(grad_accum, global_batch) for this world size. With train.global_batch_size set, the
-    global batch stays fixed and accumulation absorbs the change of world size. With pipeline
-    stages, the copies that read different data are world_size / parallel.pipeline_stages."""
+    global batch stays fixed and accumulation absorbs the change of world size: every rank runs
+    grad_accum = ceil(ceil(global / copies) / micro_batch_size) micro batches. When the copies
+    do not divide the global batch evenly into micro batches of that size (an elastic job that
+    lost a worker: 512 on 7 workers), ranks take uneven shares of it in micro batches of at most
+    train.micro_batch_size (hvdtrain.sampler.StreamSampler); the loss is normalised by the
+    step's target tokens on all ranks, so the step is exactly the same. With pipeline stages,
+    the copies that read different data are world_size / parallel.pipeline_stages, and the
+    division must be exact (a schedule's run splits into micro batches of one size)."""
     t, stages = cfg.train, cfg.parallel.pipeline_stages
     if world_size % stages:
         raise UserError(f"config key 'parallel.pipeline_stages': {stages} does not divide the {world_size} workers")
@@ -414,16 +422,20 @@ def resolve_batch(cfg: Config, world_size: int) -> tuple[int, int]:
     readers = "workers" if stages == 1 else f"data-parallel copies ({world_size} workers / {stages} stages)"
     if t.global_batch_size is None:
         grad_accum = t.grad_accum
-    elif t.global_batch_size % (t.micro_batch_size * copies):
+    elif stages > 1 and t.global_batch_size % (t.micro_batch_size * copies):
         raise UserError(f"config key 'train.global_batch_size': {t.global_batch_size} is not a multiple of "
                         f"train.micro_batch_size x {readers} = {t.micro_batch_size} x {copies}")
+    elif t.global_batch_size < copies:
+        raise UserError(f"config key 'train.global_batch_size': {t.global_batch_size} is smaller than the "
+                        f"{copies} {readers}; every worker needs at least one sample per step")
     else:
-        grad_accum = t.global_batch_size // (t.micro_batch_size * copies)
+        largest_share = -(-t.global_batch_size // copies)  # ceiling divisions
+        grad_accum = -(-largest_share // t.micro_batch_size)
     microbatches = cfg.parallel.microbatches or grad_accum
     if stages > 1 and grad_accum % microbatches:
         raise UserError(f"config key 'parallel.microbatches': {microbatches} does not divide the {grad_accum} micro "
                         f"batches of each step (train.micro_batch_size x micro batches x {readers} = global batch)")
-    return grad_accum, t.micro_batch_size * grad_accum * copies
+    return grad_accum, t.global_batch_size or t.micro_batch_size * grad_accum * copies
 
 
 def last_step_of_run(t: TrainConfig, start_step: int) -> int:

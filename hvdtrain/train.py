@@ -38,7 +38,7 @@ from hvdtrain.profiling import Profiler
 from hvdtrain.run_control import (PREEMPTED_EXIT_CODE, NonFiniteGuard, PreemptionSignal, RunStopped,
                                   StallWatchdog, mark_preempted)
 from hvdtrain.run_log import RunLog
-from hvdtrain.sampler import EvalSampler, StreamSampler
+from hvdtrain.sampler import EvalSampler, StreamSampler, share
 from hvdtrain.step_timer import StepTimer
 from hvdtrain.training_state import TrainingState, find_resume_checkpoint
 
@@ -93,26 +93,37 @@ def check_data(cfg: Config, world, shards: int, global_batch: int, grad_accum: i
         raise UserError("workers on different hosts built different data or tokenizers; point data.cache_dir "
                         "at a shared folder or give data.tokenizer a pretrained tokenizer")
     if global_batch > len(data.train):
-        raise UserError(f"the global batch ({global_batch} = train.micro_batch_size {cfg.train.micro_batch_size} x "
-                        f"grad_accum {grad_accum} x {shards} data-parallel workers) is larger than the training set "
-                        f"({len(data.train)} blocks of data.seq_len={cfg.data.seq_len} tokens)")
+        raise UserError(f"the global batch ({global_batch} samples: {batch_layout(cfg, shards, global_batch, grad_accum)}"
+                        f") is larger than the training set ({len(data.train)} blocks of data.seq_len="
+                        f"{cfg.data.seq_len} tokens)")
     return data
 
 
+def batch_layout(cfg: Config, shards: int, global_batch: int, grad_accum: int) -> str:
+    """How the workers share the global batch, in words: micro batch x accumulation x workers,
+    or their uneven shares (see hvdtrain.sampler)."""
+    micro = cfg.train.micro_batch_size
+    if global_batch == micro * grad_accum * shards:
+        return f"{shards} data-parallel workers x micro batch {micro} x accum {grad_accum}"
+    shares = sorted({len(share(global_batch, r, shards)) for r in range(shards)}, reverse=True)
+    return (f"{shards} data-parallel workers x {' or '.join(map(str, shares))} samples in {grad_accum} micro "
+            f"batches of at most {micro} (uneven: {global_batch} is not a multiple of micro batch {micro} x "
+            f"{shards} workers)")
+
+
 def build_loaders(cfg: Config, data: DataBundle, world, shard: int, shards: int, grad_accum: int,
-                  state: TrainingState):
+                  global_batch: int, state: TrainingState):
     """This rank's training batches from the state's stream position on, and its fixed
     validation batches: shard `shard` of `shards` (with pipeline stages every stage of a
     pipeline reads the same samples). The loaders get generators of their own: starting an
     iterator must not draw from the global RNG, whose state a resume restores for dropout."""
     t = cfg.train
-    global_batch = t.micro_batch_size * grad_accum * shards
     if state.position % global_batch:
         raise UserError(f"the checkpoint stopped after {state.position} samples, which is not a multiple of the "
                         f"global batch {global_batch}; resume with the global batch it was written with")
     # The sampler counts steps of this global batch from the stream's start; a resume with another
     # global batch starts at a different step number there than in training.
-    sampler = StreamSampler(len(data.train), t.micro_batch_size, grad_accum, shard, shards, t.seed,
+    sampler = StreamSampler(len(data.train), global_batch, grad_accum, shard, shards, t.seed,
                             start_position=state.position,
                             max_steps=state.position // global_batch + t.max_steps - state.step)
     loader = torch.utils.data.DataLoader(
@@ -139,9 +150,8 @@ def open_run_folder(cfg: Config, world, data: DataBundle, model, state: Training
     stages = cfg.parallel.pipeline_stages
     world.print(f"hvdtrain: {cfg.model.arch} {n_params / 1e6:.2f}M parameters"
                 + (f" on stage 0 of {stages} ({resolved['pipeline']})" if stages > 1 else "")
-                + f" | {world.size // stages} data-parallel workers x "
-                f"micro batch {cfg.train.micro_batch_size} x accum {resolved['grad_accum']} = global batch "
-                f"{resolved['global_batch']} x {cfg.data.seq_len} tokens | peak lr {resolved['peak_lr']:.3g}"
+                + f" | {resolved['batch']} = global batch {resolved['global_batch']} x {cfg.data.seq_len} tokens"
+                f" | peak lr {resolved['peak_lr']:.3g}"
                 + (f" | resuming at step {state.step} from {resumed_from}" if resumed_from else ""))
     return RunLog(cfg.out_dir, state.step, cfg.train.max_steps, cfg.log.progress, cfg.log.tensorboard)
 
@@ -249,12 +259,13 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
     resume_from = s.resumed_from
 
     # ---- set-up 5. loaders from the state's stream position
-    loader, eval_loader = build_loaders(cfg, data, world, shard, shards, grad_accum, state)
+    loader, eval_loader = build_loaders(cfg, data, world, shard, shards, grad_accum, global_batch, state)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16 if t.precision == "bf16" else torch.float16,
                               enabled=t.precision != "fp32")
 
     # ---- set-up 6. the run folder and what records the run
-    resolved = {"world_size": world.size, "grad_accum": grad_accum, "global_batch": global_batch, "peak_lr": peak_lr}
+    resolved = {"world_size": world.size, "grad_accum": grad_accum, "global_batch": global_batch, "peak_lr": peak_lr,
+                "batch": batch_layout(cfg, shards, global_batch, grad_accum)}
     if pipe is not None:
         m = pipe.n_microbatches
         resolved["pipeline"] = (f"{par.schedule}, {m} micro batches per run, ideal bubble "

@@ -59,7 +59,7 @@ def test_token_files_give_todays_blocks(tmp_path, arch):
         expected = todays_blocks(data.tokenizer, docs[split], arch, cfg.data.seq_len)
         assert len(blocks) == len(expected) > 10
         assert np.array_equal(np.stack([blocks.block(i) for i in range(len(blocks))]), expected), split
-        sample = blocks[(7, 3)]
+        sample = blocks[(7, 0, 3)]
         assert sample["position"] == 7 and sample["input_ids"].tolist() == expected[3].tolist()
     assert len(list((prepare(cfg) / "train").iterdir())) > 10, "many pieces"
 

@@ -20,9 +20,9 @@ STEPS = 8
 ELASTIC = {"train": {"global_batch_size": 8, "max_steps": STEPS}, "elastic": {"commit_every": 2}}
 
 
-def elastic_run(np: int, tmp_path, config, out, env: dict, *overrides, min_np=1, max_np=2):
+def elastic_run(np: int, tmp_path, config, out, env: dict, *overrides, min_np=1, max_np=2, hosts=None):
     cmd = [BIN / "horovodrun", "-np", np, "--min-np", min_np, "--max-np", max_np, "--host-discovery-script",
-           discovery(tmp_path, ["localhost:1", "127.0.0.1:1"][:np]), "--network-interface", "lo",
+           discovery(tmp_path, hosts or ["localhost:1", "127.0.0.1:1"][:np]), "--network-interface", "lo",
            sys.executable, WORKERS / "elastic_worker.py", config, f"out_dir={out}", *overrides]
     proc = run_cmd(cmd, env=env, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -108,6 +108,25 @@ def test_an_elastic_job_resumes_from_its_checkpoint_like_a_plain_run(tmp_path, o
     assert "resuming at step 4" in elastic_run(2, tmp_path, config, out, {}).stdout
     assert_same_losses(step_losses(reference), step_losses(out), min_steps=STEPS)
     assert_same_params(load_params(reference, 0), load_params(out, 0), atol=1e-5)
+
+
+def test_a_lost_worker_whose_world_does_not_divide_the_global_batch_goes_on(tmp_path, tiny_config):
+    """3 -> 2 workers at global batch 9, micro batch 3: shares of 5 and 4 samples in 2 micro
+    batches each (3 + 3 + 3 before); the losses equal a one-worker run (3 micro batches of 3)."""
+    config = tiny_config({**ELASTIC, "train": {**ELASTIC["train"], "global_batch_size": 9,
+                                               "micro_batch_size": 3}})
+    reference, out = tmp_path / "one", tmp_path / "run"
+    train_workers(1, config, f"out_dir={reference}")
+    proc = elastic_run(3, tmp_path, config, out, {"HVDTRAIN_TEST_KILL": "127.0.0.1:5"}, max_np=3,
+                       hosts=["localhost:2", "127.0.0.1:1"])
+    assert_same_losses(step_losses(reference), step_losses(out), min_steps=STEPS)
+    # 1e-4: the key bias's gradient is rounding noise, scaled up by Adam (see test_uneven_batch.py)
+    assert_same_params(load_params(reference, 0), load_params(out, 0), atol=1e-4)
+    [reset] = events(out)
+    assert (reset["old_world_size"], reset["world_size"]) == (3, 2)
+    assert [(r["world_size"], r["grad_accum"]) for r in read_metrics(out)[0]] == [(3, 1)] * 4 + [(2, 2)] * 4
+    assert ("2 data-parallel workers x 5 or 4 samples in 2 micro batches of at most 3 (uneven: 9 is not a multiple "
+            "of micro batch 3 x 2 workers) = global batch 9") in proc.stdout
 
 
 def test_below_min_np_too_long_stops_clearly_and_the_checkpoint_resumes(tmp_path, tiny_config):

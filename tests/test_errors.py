@@ -15,7 +15,7 @@ CASES = [
     (["model.n_head=3"], ["'model.n_head'", "divisor"]),
     (["train.max_steps=0"], ["'train.max_steps'", ">= 1"]),
     (["train.micro_batch_size=512"], ["global batch (512", "larger than the training set (256 blocks"]),
-    (["train.global_batch_size=6"], ["'train.global_batch_size'", "not a multiple"]),
+    (["train.global_batch_size=0"], ["'train.global_batch_size'", "an integer >= 1"]),
     (["data.source=/no/such/corpus.txt"], ["/no/such/corpus.txt"]),
     (["trainlr"], ["override 'trainlr'", "key.sub=value"]),
 ]

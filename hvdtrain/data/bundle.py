@@ -16,9 +16,11 @@ import torch
 from hvdtrain.config import Config
 from hvdtrain.data import preparation
 from hvdtrain.data.collate import CausalLMCollator, MaskedLMCollator
+from hvdtrain.data.randomness import permute
 from hvdtrain.data.token_files import TokenStream, check_split, read_index
 from hvdtrain.errors import UserError
 from hvdtrain.models import Vocab
+from hvdtrain.sampler import STAND_IN
 
 log = logging.getLogger(__name__)
 SYNTHETIC_SPECIALS = 5  # ids 0..4: pad, eos (GPT) / cls, sep, mask (BERT), unk
@@ -26,29 +28,64 @@ SYNTHETIC_SPECIALS = 5  # ids 0..4: pad, eos (GPT) / cls, sep, mask (BERT), unk
 
 class TokenBlocks(torch.utils.data.Dataset):
     """Fixed-length blocks cut from a token stream, indexed by the sampler's (stream position,
-    index) keys: block i is tokens [i*width, (i+1)*width), between `prefix` and `suffix`.
+    epoch, index) keys: block i of epoch e is tokens [o_e + i*width, o_e + (i+1)*width) of the
+    stream, between `prefix` and `suffix`.
 
     - causal LM (GPT-2): blocks of seq_len tokens of the stream (documents joined by EOS);
     - masked LM (BERT): [CLS] + seq_len - 2 tokens of the stream (documents joined by [SEP]) + [SEP].
 
     No compute is spent on padding, a long document simply spans several blocks, and the tail
-    of the stream shorter than a block is dropped; nothing else is lost or repeated."""
+    of the stream shorter than a block is dropped; nothing else is lost or repeated.
 
-    def __init__(self, stream: TokenStream, width: int, prefix: tuple[int, ...] = (), suffix: tuple[int, ...] = ()):
-        self.stream, self.width = stream, width
+    The grid moves every epoch, so that a corpus trained on for many epochs shows the model
+    new windows instead of the same blocks again: o_e is epoch e's offset in [0, width), drawn
+    from `grid_seed` so that any `width` consecutive epochs (0..width-1, width..2*width-1, ...)
+    all have different offsets, and o_0 = 0 (a one-epoch run cuts the blocks it always cut).
+    Every epoch has the same len(self) blocks: the grid wraps around the end of the stream, so
+    the last block of a shifted epoch continues at the stream's start (the stream ends with a
+    document separator, so that is a document boundary like any other, unless data.max_tokens
+    cut the last document). What is dropped is the len(stream) % width tokens just before o_e,
+    a different stretch each epoch. With `grid_seed` None every epoch has epoch 0's grid
+    (synthetic blocks, which are separate sequences rather than cuts of a stream, and
+    validation blocks)."""
+
+    def __init__(self, stream: TokenStream, width: int, prefix: tuple[int, ...] = (), suffix: tuple[int, ...] = (),
+                 grid_seed: int | None = None):
+        self.stream, self.width, self.grid_seed = stream, width, grid_seed
         self.prefix, self.suffix = np.array(prefix, np.int64), np.array(suffix, np.int64)
+        self._offsets = {}  # epoch -> o_e, computed once per epoch, not per block
 
     def __len__(self):
         return len(self.stream) // self.width
 
-    def block(self, index: int) -> np.ndarray:
+    def grid_offset(self, epoch: int) -> int:
+        """o_e: a seeded order of the offsets [0, width) for each round of `width` epochs,
+        shifted so that epoch 0's is 0."""
+        if self.grid_seed is None:
+            return 0
+        if epoch not in self._offsets:
+            self._offsets[epoch] = (self._offset_order(epoch) - self._offset_order(0)) % self.width
+        return self._offsets[epoch]
+
+    def _offset_order(self, epoch: int) -> int:
+        rounds, place = divmod(epoch, self.width)
+        return int(permute(np.array([place]), self.width, self.grid_seed, rounds)[0])
+
+    def block(self, index: int, epoch: int = 0) -> np.ndarray:
         if not 0 <= index < len(self):
             raise IndexError(f"block {index} of {len(self)}")
-        return np.concatenate([self.prefix, self.stream.read(index * self.width, self.width), self.suffix])
+        start = self.grid_offset(epoch) + index * self.width  # < len(self) * width <= len(stream)
+        head = min(self.width, len(self.stream) - start)
+        tokens = [self.stream.read(start, head)]
+        if head < self.width:  # wraps around the end of the stream
+            tokens.append(self.stream.read(0, self.width - head))
+        return np.concatenate([self.prefix, *tokens, self.suffix])
 
-    def __getitem__(self, key: tuple[int, int]) -> dict:
-        position, index = key
-        return {"input_ids": torch.from_numpy(self.block(index)), "position": position}
+    def __getitem__(self, key: tuple[int, int, int] | None) -> dict:
+        """The sample of a sampler's key; for its STAND_IN key (None), block 0 without a stream
+        position: the collators give it no targets."""
+        position, epoch, index = key if key is not STAND_IN else (None, 0, 0)
+        return {"input_ids": torch.from_numpy(self.block(index, epoch)), "position": position}
 
 
 @dataclass
@@ -85,10 +122,11 @@ def tokenizer_vocab(tokenizer) -> Vocab:
                  sep_id=tokenizer.sep_token_id, mask_id=tokenizer.mask_token_id)
 
 
-def text_blocks(cfg: Config) -> tuple[TokenBlocks, TokenBlocks, object]:
+def text_blocks(cfg: Config, seed: int) -> tuple[TokenBlocks, TokenBlocks, object]:
     """(train blocks, validation blocks, tokenizer) of the prepared text, prepared now if the
     folder is not complete yet; first every token file's size and a sample's checksums are
-    checked against the index (cheap at any size: the preparation read every file back)."""
+    checked against the index (cheap at any size: the preparation read every file back). The
+    training blocks' grid moves every epoch (from `seed`); validation keeps the same blocks."""
     start = time.perf_counter()
     plan = preparation.plan(cfg)
     hit = read_index(plan.folder) is not None
@@ -101,7 +139,8 @@ def text_blocks(cfg: Config) -> tuple[TokenBlocks, TokenBlocks, object]:
     blocks = []
     for split in ("train", "validation"):
         check_split(plan.folder, index, split)
-        split_blocks = TokenBlocks(TokenStream.open(plan.folder, index, split), **layout)
+        split_blocks = TokenBlocks(TokenStream.open(plan.folder, index, split), **layout,
+                                   grid_seed=seed if split == "train" else None)
         if len(split_blocks) == 0:
             raise UserError(f"data.source '{cfg.data.source}': the {split} text is shorter than one block of "
                             f"data.seq_len={seq_len} tokens; use more text or a smaller data.seq_len")
@@ -121,7 +160,7 @@ def build_data(cfg: Config, seed: int) -> DataBundle:
         train, val = (TokenBlocks(TokenStream([b.ravel()], [b.size], b.dtype), seq_len) for b in (train, val))
         vocab, tokenizer = synthetic_vocab(cfg), None
     else:
-        train, val, tokenizer = text_blocks(cfg)
+        train, val, tokenizer = text_blocks(cfg, seed)
         vocab = tokenizer_vocab(tokenizer)
     collate = CausalLMCollator() if arch == "gpt2" else MaskedLMCollator(vocab, cfg.data.mlm_probability, seed)
     return DataBundle(train, val, vocab, collate, tokenizer)

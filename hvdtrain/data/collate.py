@@ -2,7 +2,8 @@
 
 Both collators return `input_ids`, `labels` aligned with the model's outputs (IGNORE_INDEX
 where nothing is predicted) and `num_targets`, the number of labelled positions, which the
-training loop sums over the whole optimizer step to normalise the loss.
+training loop sums over the whole optimizer step to normalise the loss. A sample without a
+stream position (the sampler's stand-in for an empty micro batch) predicts nothing.
 """
 import numpy as np
 import torch
@@ -16,9 +17,11 @@ class CausalLMCollator:
 
     def __call__(self, samples: list[dict]) -> dict:
         input_ids = torch.stack([s["input_ids"] for s in samples])
+        predicting = torch.tensor([s["position"] is not None for s in samples])
         labels = torch.full_like(input_ids, IGNORE_INDEX)
-        labels[:, :-1] = input_ids[:, 1:]
-        return {"input_ids": input_ids, "labels": labels, "num_targets": labels[:, :-1].numel()}
+        labels[predicting, :-1] = input_ids[predicting, 1:]
+        return {"input_ids": input_ids, "labels": labels,
+                "num_targets": int(predicting.sum()) * (input_ids.shape[1] - 1)}
 
 
 class MaskedLMCollator:
@@ -39,9 +42,10 @@ class MaskedLMCollator:
 
     def __call__(self, samples: list[dict]) -> dict:
         ids = np.stack([s["input_ids"].numpy() for s in samples])
-        positions = np.array([s["position"] for s in samples])
+        predicting = np.array([s["position"] is not None for s in samples])
+        positions = np.array([s["position"] if s["position"] is not None else 0 for s in samples])
         draw, choice, pick = (uniform(self.seed, positions, ids.shape[1], k) for k in range(3))
-        masked = (draw < self.p) & ~np.isin(ids, self.special)
+        masked = (draw < self.p) & ~np.isin(ids, self.special) & predicting[:, None]
         labels = np.where(masked, ids, IGNORE_INDEX)
         out = ids.copy()
         out[masked & (choice < 0.8)] = self.vocab.mask_id

@@ -13,7 +13,8 @@ from todays_packing import split_documents, todays_blocks
 
 
 class Blocks(torch.utils.data.Dataset):
-    """Rows of a 2-D array, indexed by the sampler's (stream position, index) keys."""
+    """Rows of a 2-D array, indexed by the sampler's (stream position, epoch, index) keys
+    (epoch 0's grid in every epoch: the runs compared stay within the first epoch)."""
 
     def __init__(self, rows: np.ndarray):
         self.rows = rows
@@ -22,7 +23,7 @@ class Blocks(torch.utils.data.Dataset):
         return len(self.rows)
 
     def __getitem__(self, key):
-        position, index = key
+        position, _, index = key
         return {"input_ids": torch.from_numpy(self.rows[index].astype(np.int64)), "position": position}
 
 
