@@ -9,7 +9,7 @@ accumulation for the fixed global batch, the sampler at the committed stream pos
 token normaliser, the run log on whichever process is rank 0 now) and the step loop of
 hvdtrain.train continues. The global batch and the data order do not change when the world
 does, so the losses equal an undisturbed run (no sample is repeated or skipped: the redone steps
-after a rollback read the same samples, and the later record of a redone step wins).
+after a rollback read the same samples, and their records replace the first ones: hvdtrain.run_log).
 
 What a commit holds (ElasticState): the model, the optimizer, the grad scaler, the step and the
 stream position, in host memory on every worker. Its sync broadcasts rank 0's, like
