@@ -110,16 +110,21 @@ def is_event(record: dict) -> bool:
 # ---------------------------------------------------------------- reading them back
 
 def read_records(path: Path, what: str = "metrics file") -> list[dict]:
-    """Every record of a metrics.jsonl in file order; a damaged line is a UserError naming it."""
+    """Every record of a metrics.jsonl in file order; a damaged line is a UserError naming it.
+    A last line without its newline that is not JSON is skipped: a kill (or the run, still
+    writing it) cut it short, so it was never a complete record."""
     if not path.is_file():
         raise UserError(f"{what}: no metrics file '{path}'")
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    lines = path.read_text().split("\n")  # the last one: "" after a final newline, else unterminated
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
+            if number == len(lines):
+                break
             raise UserError(f"{what}: '{path}' line {number} is not JSON") from None
         if isinstance(record, dict) and "step" in record:
             records.append(record)
@@ -127,8 +132,9 @@ def read_records(path: Path, what: str = "metrics file") -> list[dict]:
 
 
 def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
-    """(train records, eval records) of a run folder, in step order. A run resumed from a
-    checkpoint logs the steps after that checkpoint again; the later record is the one that counts."""
+    """(train records, eval records) of a run folder, in step order. A resumed run removes the
+    records of the steps it computes again (hvdtrain.run_log); where a file still holds two
+    records of a step (written before that), the later one counts."""
     path = Path(run_dir) / FILE_NAME
     if not path.is_file():
         raise UserError(f"'{run_dir}' is not a run folder: {path} does not exist")

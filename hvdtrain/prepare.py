@@ -10,7 +10,10 @@ own, `prepare` can use many:
   preparation; otherwise each host prepares its own copy with its own workers, and `train`
   checks that the hosts' copies agree.
 
-The result is the same files whatever the number of workers and processes.
+The result is the same files whatever the number of workers and processes. A preparation reads
+every file it wrote back against its checksum; a start of training checks only the files'
+sizes and a sample's checksums. `--verify` reads every file of a prepared folder back again
+(divided among the workers under horovodrun): after copying a cache, or to be sure of old data.
 """
 import logging
 import os
@@ -31,17 +34,18 @@ def run_prepare(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     if any(int(os.environ.get(v, "1")) > 1 for v in WORLD_SIZE_VARIABLES):
-        index, folder = prepare_with_workers(cfg)
+        index, folder = prepare_with_workers(cfg, args.verify)
     else:
         plan = preparation.plan(cfg)
-        index, folder = preparation.prepare(plan, num_proc=cfg.data.num_proc, progress=cfg.log.progress), plan.folder
+        index = preparation.prepare(plan, num_proc=cfg.data.num_proc, progress=cfg.log.progress, verify=args.verify)
+        folder = plan.folder
     splits = index["splits"]
     log.info("prepared data in %s: %d training and %d validation tokens", folder, splits["train"]["tokens"],
              splits["validation"]["tokens"])
     return 0
 
 
-def prepare_with_workers(cfg) -> tuple[dict, Path]:
+def prepare_with_workers(cfg, verify: bool) -> tuple[dict, Path]:
     """This worker's part of a preparation by every worker of a Horovod job."""
     from hvdtrain import distributed
     from hvdtrain.data import preparation
@@ -51,7 +55,7 @@ def prepare_with_workers(cfg) -> tuple[dict, Path]:
         plan = preparation.plan(cfg)
     group = sharing_group(world, plan.folder)
     num_proc = cfg.data.num_proc or cores_per_worker(world)
-    index = preparation.prepare(plan, group, num_proc, progress=cfg.log.progress and world.rank == 0)
+    index = preparation.prepare(plan, group, num_proc, progress=cfg.log.progress and world.rank == 0, verify=verify)
     return index, plan.folder
 
 
@@ -89,4 +93,7 @@ def cores_per_worker(world) -> int:
 def add_cli(sub):
     p = sub.add_parser("prepare", help="tokenize the corpus into the data cache (in parallel, on many workers too)")
     add_config_args(p)
+    p.add_argument("--verify", action="store_true",
+                   help="read every token file of an already prepared folder back against its checksum (a start "
+                        "of training checks only sizes and a sample); a damaged file is a one-line error")
     p.set_defaults(func=run_prepare)

@@ -4,13 +4,14 @@ resume after a stop, and a damaged file is a one-line error."""
 import logging
 import os
 import shutil
+import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from hvdtrain.config import Config
-from hvdtrain.data import build_data, preparation
+from hvdtrain.data import build_data, preparation, token_files
 from hvdtrain.data.text import builtin_corpus
 from hvdtrain.data.token_files import INDEX, TokenStream, token_dtype, write_tokens
 from hvdtrain.errors import UserError
@@ -128,20 +129,74 @@ def test_a_stopped_preparation_is_never_read_and_resumes(tmp_path, caplog):
     assert len(data.train) > 0
 
 
+def flip_a_byte(path: Path):
+    data = path.read_bytes()
+    path.write_bytes(data[:100] + bytes([data[100] ^ 4]) + data[101:])
+
+
 @pytest.mark.parametrize("damage,message", [
     (lambda path: path.write_bytes(path.read_bytes()[:-2]), "is truncated or was overwritten"),
-    (lambda path: path.write_bytes(bytes([path.read_bytes()[0] ^ 1]) + path.read_bytes()[1:]), "is corrupt"),
     (lambda path: path.unlink(), "is missing"),
-], ids=["truncated", "corrupt", "missing"])
-def test_a_damaged_token_file_is_one_clear_error(tmp_path, damage, message):
+], ids=["truncated", "missing"])
+def test_a_start_refuses_a_file_of_the_wrong_size_with_one_line(tmp_path, damage, message):
     folder = prepare(config(tmp_path))
     victim = sorted((folder / "validation").iterdir())[-1]
     damage(victim)
     with pytest.raises(UserError) as error:
         build_data(config(tmp_path), seed=0)
-    assert f"token file {victim} " in str(error.value) and message in str(error.value)
-    assert f"delete {folder} and prepare the data again" in str(error.value)
-    assert "\n" not in str(error.value)
+    assert_names(error.value, victim, message, folder)
+
+
+def assert_names(error: UserError, victim: Path, message: str, folder: Path):
+    assert f"token file {victim} " in str(error) and message in str(error)
+    assert f"delete {folder} and prepare the data again" in str(error)
+    assert "\n" not in str(error)
+
+
+def test_a_start_reads_the_checksums_of_a_sample_only(tmp_path, monkeypatch):
+    """At terabytes, reading every token file at every start (every rank, every elastic reset)
+    would take hours: a start reads SAMPLED_PIECES pieces of each split for their checksums."""
+    folder = prepare(config(tmp_path))
+    sizes = {split: sorted(p.stat().st_size for p in (folder / split).iterdir()) for split in preparation.SPLITS}
+    assert min(len(s) for s in sizes.values()) > 3 * token_files.SAMPLED_PIECES
+    read = []
+    crc32 = zlib.crc32
+    monkeypatch.setattr(zlib, "crc32", lambda data, value=0: read.append(len(data)) or crc32(data, value))
+    for _ in range(3):
+        read.clear()
+        build_data(config(tmp_path), seed=0)
+        assert 0 < sum(read) <= sum(sum(s[-token_files.SAMPLED_PIECES:]) for s in sizes.values())
+
+
+def test_a_flipped_byte_is_found_by_the_full_verification(tmp_path):
+    folder = prepare(config(tmp_path))
+    victim = sorted((folder / "train").iterdir())[-1]
+    flip_a_byte(victim)
+    cfg = config(tmp_path)
+    with pytest.raises(UserError) as error:
+        preparation.prepare(preparation.plan(cfg), num_proc=1, progress=False, verify=True)
+    assert_names(error.value, victim, "does not match its recorded checksum: it is corrupt", folder)
+    # Two members sharing the reading: the one whose share holds the file finds it.
+    found = []
+    for member in (0, 1):
+        try:
+            token_files.verify_pieces(folder, preparation.read_index(folder), member, 2)
+        except UserError:
+            found.append(member)
+    assert len(found) == 1
+
+
+def test_a_preparation_reads_back_the_pieces_an_earlier_one_left(tmp_path):
+    """The full check of a preparation: a piece a stopped preparation finished, damaged since,
+    stops the next one before the index calls the folder complete."""
+    folder = prepare(config(tmp_path))
+    (folder / INDEX).unlink()
+    victim = folder / "train" / "train-000003.bin"
+    flip_a_byte(victim)
+    with pytest.raises(UserError) as error:
+        prepare(config(tmp_path))
+    assert_names(error.value, victim, "it is corrupt", folder)
+    assert not (folder / INDEX).exists()
 
 
 def test_max_tokens_and_max_documents_cut_deliberately(tmp_path):

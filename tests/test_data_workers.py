@@ -1,6 +1,6 @@
 """Preparation and training from token files with real processes: two horovodrun workers write
 the files one process writes, a preparation killed half way is never taken for complete,
-a damaged token file stops `hvdtrain train` with one line and exit code 2, and training from
+damaged token files are refused with one line and exit code 2, and training from
 the token files is training from today's in-memory blocks."""
 import logging
 import os
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import OFFLINE, WORKERS, assert_same_losses, horovodrun, hvdtrain, run_cmd, step_losses
+from helpers import BIN, OFFLINE, WORKERS, assert_same_losses, horovodrun, hvdtrain, run_cmd, step_losses
 from hvdtrain.config import load_config
 from hvdtrain.data import build_data, preparation
 from hvdtrain.data.text import builtin_corpus
@@ -56,6 +56,24 @@ def test_two_horovod_workers_write_the_files_one_process_writes(tmp_path, tiny_c
     assert files(pair) == files(alone)
 
 
+def test_workers_that_see_the_max_tokens_cut_at_different_pieces_write_the_one_process_files(tmp_path,
+                                                                                              tiny_config):
+    """data.max_tokens cuts the training split inside piece 2 or so of ~15. Member 1 starts only
+    once member 0 has tokenized all its pieces: member 0 never saw the cut reached (member 1's
+    pieces were missing) and read to the end, while member 1 sees it after a few pieces and
+    stops without tokenizing its later ones."""
+    config = tiny_config(TEXT)
+    cut = ("data.max_tokens=20000",)
+    alone = prepare_alone(config, tmp_path / "alone", *cut)
+    shutil.copytree(tmp_path / "alone" / "tokenizers", tmp_path / "pair" / "tokenizers")
+    proc = horovodrun(2, [WORKERS / "prepare_pieces.py", PIECES, config, f"data.cache_dir={tmp_path / 'pair'}",
+                          "data.num_proc=1", *cut], env={"PREPARE_AFTER_MEMBER_0": str(tmp_path / "member-0-done")})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    pair = prepared_folder(tmp_path / "pair")
+    assert pair.name == alone.name and 1 < len(list((alone / "train").iterdir())) < 10
+    assert files(pair) == files(alone)
+
+
 def test_a_killed_preparation_is_never_taken_for_complete(tmp_path, tiny_config, monkeypatch, caplog):
     config = tiny_config({**TEXT, "data": {**TEXT["data"], "source": str(tmp_path / "corpus.txt")}})
     (tmp_path / "corpus.txt").write_text("\n\n".join(list(builtin_corpus()["text"]) * 4))  # ~2 MB
@@ -82,16 +100,29 @@ def test_a_killed_preparation_is_never_taken_for_complete(tmp_path, tiny_config,
     assert files(prepare_alone(config, tmp_path / "clean")) == files(folder)
 
 
-def test_a_damaged_token_file_stops_training_with_one_line(tmp_path, tiny_config):
-    """(Every kind of damage is checked in test_data_prepare.py; here the command's answer.)"""
+def test_damaged_token_files_are_refused_with_one_line(tmp_path, tiny_config):
+    """(Every kind of damage is checked in test_data_prepare.py; here the commands' answers.)
+    A start checks sizes and a sample of checksums: a truncated file stops `hvdtrain train`. A
+    flipped byte keeps the size: `hvdtrain prepare --verify` reads every file and finds it, also
+    when horovodrun's workers share the reading."""
     config = tiny_config(TEXT)
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
     folder = prepare_alone(config, tmp_path / "cache", pieces=str(preparation.PIECE_CHARS))  # as train cuts them
+    proc = horovodrun(2, [BIN / "hvdtrain", "prepare", "--verify", config, cache])
+    assert proc.returncode == 0 and "verified every token file" in proc.stdout + proc.stderr, proc.stderr[-2000:]
+
     piece = folder / "train" / "train-000000.bin"
     data = piece.read_bytes()
     piece.write_bytes(data[:100] + bytes([data[100] ^ 4]) + data[101:])
-    proc = hvdtrain("train", config, f"data.cache_dir={tmp_path / 'cache'}", f"out_dir={tmp_path / 'run'}")
+    proc = hvdtrain("prepare", "--verify", config, cache)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert proc.stderr.startswith(f"hvdtrain: error: token file {piece} does not match its checksum")
+    assert proc.stderr.startswith(f"hvdtrain: error: token file {piece} does not match its recorded checksum")
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+    piece.write_bytes(data[:-2])
+    proc = hvdtrain("train", config, cache, f"out_dir={tmp_path / 'run'}")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.startswith(f"hvdtrain: error: token file {piece} has {len(data) - 2} bytes")
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 

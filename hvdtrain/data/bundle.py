@@ -87,7 +87,8 @@ def tokenizer_vocab(tokenizer) -> Vocab:
 
 def text_blocks(cfg: Config) -> tuple[TokenBlocks, TokenBlocks, object]:
     """(train blocks, validation blocks, tokenizer) of the prepared text, prepared now if the
-    folder is not complete yet, every token file checked against the index first."""
+    folder is not complete yet; first every token file's size and a sample's checksums are
+    checked against the index (cheap at any size: the preparation read every file back)."""
     start = time.perf_counter()
     plan = preparation.plan(cfg)
     hit = read_index(plan.folder) is not None

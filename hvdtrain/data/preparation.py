@@ -30,7 +30,8 @@ from transformers import PreTrainedTokenizerFast
 from hvdtrain.config import Config
 from hvdtrain.data.cache import cache_key, cache_root
 from hvdtrain.data.text import Corpus, open_corpus
-from hvdtrain.data.token_files import FORMAT, INDEX, read_index, read_json, token_dtype, write_json
+from hvdtrain.data.token_files import (FORMAT, INDEX, check_file, read_index, read_json, token_dtype,
+                                       verify_pieces, write_json)
 from hvdtrain.data.tokenizer import load_or_train_tokenizer, tokenizer_fingerprint
 from hvdtrain.data.tokenizing import TokenizingProcesses
 from hvdtrain.errors import UserError
@@ -98,25 +99,36 @@ def available_cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def prepare(plan: Plan, group: Group = ALONE, num_proc: int | None = None, progress: bool = True) -> dict:
-    """Make `plan.folder` complete (this member's share of the pieces, then the index) and
-    return its index; at once if it is complete already. Every member of `group` must call it."""
+def prepare(plan: Plan, group: Group = ALONE, num_proc: int | None = None, progress: bool = True,
+            verify: bool = False) -> dict:
+    """Make `plan.folder` complete (this member's share of the pieces, read back against their
+    checksums, then the index) and return its index; at once if it is complete already, after
+    reading every file of it back (shared by the members) with `verify`. Every member of
+    `group` must call it."""
     start, num_proc = time.perf_counter(), num_proc or available_cores()
     complete = read_index(plan.folder) is not None
     if not complete:
         pieces_read = _tokenize_share(plan, group, num_proc, progress)
+        _verify_share(plan, group, pieces_read)
     group.barrier()  # every member's pieces are done
     if not complete and group.rank == 0:
         _log_done(_write_index(plan, pieces_read), plan.folder, time.perf_counter() - start, num_proc, group.size)
     group.barrier()  # the index is written
-    return read_index(plan.folder)
+    index = read_index(plan.folder)
+    if complete and verify:
+        verify_pieces(plan.folder, index, group.rank, group.size)
+        group.barrier()
+        if group.rank == 0:
+            log.info("verified every token file of %s against its checksum", plan.folder)
+    return index
 
 
 # ---------------------------------------------------------------- reading and dispatching
 
 def _tokenize_share(plan: Plan, group: Group, num_proc: int, progress: bool) -> dict[str, int]:
     """Read the corpus and tokenize this member's pieces that are not done yet with `num_proc`
-    processes; returns how many pieces each stream had (up to the data.max_tokens cut)."""
+    processes; returns how many pieces of each stream it read (with data.max_tokens: up to
+    where it saw the cut reached, which differs between members)."""
     counts = {}
     with TokenizingProcesses(num_proc, plan.tokenizer.backend_tokenizer.to_str(), plan.separator,
                              token_dtype(len(plan.tokenizer))) as processes, \
@@ -175,18 +187,30 @@ class _TrainPrefix:
         return self.total
 
 
+def _verify_share(plan: Plan, group: Group, pieces_read: dict[str, int]):
+    """Read back this member's pieces (those it tokenized now, and those an earlier preparation
+    left) against their records: the one full check of the files, since a start of training
+    checks only a sample of them (hvdtrain/data/token_files.py)."""
+    dtype = token_dtype(len(plan.tokenizer))
+    for stream, count in pieces_read.items():
+        for k in range(group.rank, count, group.size):
+            record = read_json(plan.folder / "pieces" / f"{stream}-{k:06d}.json")
+            if record is None:
+                continue  # not there: _write_index says so if the index needs it
+            for split, part in record["splits"].items():
+                check_file(plan.folder, f"{split}/{stream}-{k:06d}.bin", part["tokens"], part["crc32"], dtype,
+                           checksum=True)
+
+
 # ---------------------------------------------------------------- the index
 
 def _write_index(plan: Plan, pieces_read: dict[str, int]) -> dict:
     """Gather the pieces' records into index.json, the last file written. With data.max_tokens,
     the training split ends inside the first piece that reaches it; pieces that members
     tokenized past that point are removed."""
-    records = {stream: [read_json(plan.folder / "pieces" / f"{stream}-{k:06d}.json") for k in range(n)]
+    records = {stream: _records(plan.folder, stream, n, plan.max_tokens if stream == "train" else None)
                for stream, n in pieces_read.items()}
-    if any(r is None for rs in records.values() for r in rs):
-        raise RuntimeError(f"{plan.folder}: a piece is missing after every worker finished")
     if plan.max_tokens:
-        records["train"] = _cut(records["train"], plan.max_tokens)
         _remove_pieces_after(plan.folder, len(records["train"]))
     splits = {split: {"documents": 0, "tokens": 0, "pieces": []} for split in SPLITS}
     for stream_records in records.values():
@@ -204,13 +228,23 @@ def _write_index(plan: Plan, pieces_read: dict[str, int]) -> dict:
     return index
 
 
-def _cut(records: list[dict], max_tokens: int) -> list[dict]:
-    """The shortest run of pieces from the first that holds max_tokens training tokens (or all)."""
-    total = 0
-    for k, record in enumerate(records):
-        total += record["splits"].get("train", {}).get("tokens", 0)
-        if total >= max_tokens:
-            return records[:k + 1]
+def _records(folder: Path, stream: str, count: int, max_tokens: int | None) -> list[dict]:
+    """The records of the stream's first `count` pieces, or with `max_tokens` of the shortest
+    run of them from the first that holds that many training tokens (or all).
+
+    The cut is decided here, from the records every member wrote, and only the pieces before it
+    must be there: each member stops reading where it sees the cut reached, which depends on
+    how far the others were at that moment, so a member that stopped early never tokenized its
+    later pieces that another member, stopping later, counted in `count`."""
+    records, tokens = [], 0
+    for k in range(count):
+        if max_tokens and tokens >= max_tokens:
+            break
+        record = read_json(folder / "pieces" / f"{stream}-{k:06d}.json")
+        if record is None:
+            raise RuntimeError(f"{folder}: piece {stream}-{k:06d} is missing after every worker finished")
+        records.append(record)
+        tokens += record["splits"].get("train", {}).get("tokens", 0)
     return records
 
 

@@ -12,12 +12,15 @@ like nanoGPT's train.bin and Megatron's .bin files:
     index.json                        written last: every split's pieces in order (file, tokens,
                                       CRC-32) and the tokens the split uses
 
-index.json appears by renaming a complete temporary file, after every piece is done, so a
-folder without it is an unfinished preparation and is never read, however far it got. Before
-training, every piece's size and checksum are checked against the index: a truncated or
-damaged file is a one-line error, not a silently different run.
+index.json appears by renaming a complete temporary file, after every piece is done and read
+back against its checksum, so a folder without it is an unfinished preparation and is never
+read, however far it got. Reading every file takes hours at terabytes of tokens, so that full
+check runs once per preparation and on request (`hvdtrain prepare --verify`); every start of
+training checks only every piece's size and the checksums of a few pieces chosen at random. A
+truncated, missing or damaged file found is a one-line error, not a silently different run.
 """
 import json
+import random
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
@@ -30,6 +33,9 @@ from hvdtrain.errors import UserError
 FORMAT = 1
 INDEX = "index.json"
 CHECK_CHUNK = 16 * 1024 * 1024  # bytes read at a time when checking a file: memory stays flat
+# Pieces of each split whose checksums a start of training reads, chosen anew at every start on
+# every rank: damage that keeps a file's size is found sooner or later without reading it all.
+SAMPLED_PIECES = 2
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -68,27 +74,46 @@ def read_index(folder: Path) -> dict | None:
     return read_json(folder / INDEX)
 
 
-def check_split(folder: Path, index: dict, split: str):
-    """Every piece of `split` has the size and the checksum the index gives it; a UserError
-    naming the first file that does not. Files are read in chunks, not mapped, so checking
-    adds nothing to the memory of the process."""
-    dtype = np.dtype(index["dtype"])
+def check_split(folder: Path, index: dict, split: str, sampled: int | None = SAMPLED_PIECES):
+    """Every piece of `split` is there with the size the index gives it, and `sampled` pieces
+    chosen at random (None: all of them) have its checksum; a UserError naming the first file
+    that does not."""
+    pieces = index["splits"][split]["pieces"]
+    chosen = (range(len(pieces)) if sampled is None
+              else set(random.SystemRandom().sample(range(len(pieces)), min(sampled, len(pieces)))))
+    for i, piece in enumerate(pieces):
+        check_file(folder, piece["file"], piece["tokens"], piece["crc32"], index["dtype"], checksum=i in chosen)
+
+
+def verify_pieces(folder: Path, index: dict, member: int = 0, members: int = 1):
+    """The full check of a complete folder: every piece's size and checksum, or with `members`
+    processes sharing the work, those of every `members`-th piece from `member` on."""
+    pieces = [piece for split in index["splits"].values() for piece in split["pieces"]]
+    for piece in pieces[member::members]:
+        check_file(folder, piece["file"], piece["tokens"], piece["crc32"], index["dtype"], checksum=True)
+
+
+def check_file(folder: Path, file: str, tokens: int, crc32: int, dtype, checksum: bool):
+    """The token file `folder / file` is there with `tokens` tokens of `dtype` and, when
+    `checksum`, the CRC-32 `crc32`; a UserError naming it otherwise. Read in chunks, not mapped,
+    so checking adds nothing to the memory of the process."""
+    path = folder / file
     fix = f"delete {folder} and prepare the data again (hvdtrain prepare, or train does it)"
-    for piece in index["splits"][split]["pieces"]:
-        path = folder / piece["file"]
-        expected = piece["tokens"] * dtype.itemsize
-        size = path.stat().st_size if path.exists() else None
-        if size is None:
-            raise UserError(f"token file {path} is missing; {fix}")
-        if size != expected:
-            raise UserError(f"token file {path} has {size} bytes but its index says {expected} ({piece['tokens']} "
-                            f"tokens): it is truncated or was overwritten; {fix}")
-        crc = 0
-        with open(path, "rb") as f:
-            while chunk := f.read(CHECK_CHUNK):
-                crc = zlib.crc32(chunk, crc)
-        if crc != piece["crc32"]:
-            raise UserError(f"token file {path} does not match its checksum in {folder / INDEX}: it is corrupt; {fix}")
+    expected = tokens * np.dtype(dtype).itemsize
+    size = path.stat().st_size if path.exists() else None
+    if size is None:
+        raise UserError(f"token file {path} is missing; {fix}")
+    if size != expected:
+        raise UserError(f"token file {path} has {size} bytes but its index says {expected} ({tokens} "
+                        f"tokens): it is truncated or was overwritten; {fix}")
+    if not checksum:
+        return
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHECK_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    if crc != crc32:
+        raise UserError(f"token file {path} does not match its recorded checksum: it is corrupt; {fix}")
 
 
 class TokenStream:
