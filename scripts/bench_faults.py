@@ -86,13 +86,15 @@ def workers_of(out: Path) -> list[psutil.Process]:
     return found
 
 
-def train_records(out: Path) -> list[dict]:
-    """metrics.jsonl's training records as written, duplicates included (a reader's view)."""
+def metrics_lines(out: Path) -> list[str]:
     path = out / "metrics.jsonl"
-    if not path.exists():
-        return []
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def train_records(out: Path, lines: list[str] | None = None) -> list[dict]:
+    """metrics.jsonl's training records as written, duplicates included (a reader's view)."""
     records = []
-    for line in path.read_text().splitlines():
+    for line in metrics_lines(out) if lines is None else lines:
         try:
             record = json.loads(line)
         except ValueError:
@@ -102,8 +104,11 @@ def train_records(out: Path) -> list[dict]:
     return records
 
 
-def step_reached(out: Path) -> int:
-    return max((r["step"] for r in train_records(out)), default=0)
+def step_reached(out: Path, before: set[str] = frozenset()) -> int:
+    """The last step logged, in the lines not in `before` (what the file held when a launch began:
+    until it opens its run log, a relaunch still finds the records of steps it will redo)."""
+    return max((r["step"] for r in train_records(out, [l for l in metrics_lines(out) if l not in before])),
+               default=0)
 
 
 def checkpoints(out: Path) -> list[Path]:
@@ -123,6 +128,7 @@ class Campaign:
         self.recomputed = 0
         self.findings: list[str] = []  # what went wrong: each one is a defect
         self.log = open(folder / "launches.log", "w")
+        self.lines_before: set[str] = set()  # metrics.jsonl's lines when the current launch began
 
     def command(self, out: Path) -> list[str]:
         return launch_command(self.folder, self.layout, [*run_overrides(out, self.steps, self.layout),
@@ -135,6 +141,7 @@ class Campaign:
         self.log.write(f"\n=== launch {self.relaunches} at step {self.resumed_at()} {env or ''} "
                        f"{'fsize ' + str(fsize) if fsize else ''}\n")
         self.log.flush()
+        self.lines_before = set(metrics_lines(self.out))
         return subprocess.Popen(self.command(self.out), stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
                                 env=dict(os.environ, **(env or {})), preexec_fn=limit, start_new_session=True)
 
@@ -147,16 +154,18 @@ class Campaign:
         """Until the run has logged `step` (True), or the launch ended (False)."""
         deadline = time.monotonic() + timeout
         while proc.poll() is None and time.monotonic() < deadline:
-            if step_reached(self.out) >= step:
+            if step_reached(self.out, self.lines_before) >= step:
                 return True
             time.sleep(0.05)
         return False
 
-    def wait_for_write(self, proc: subprocess.Popen, timeout: float = 300) -> bool:
-        """Until a checkpoint write is under way (its temporary folder exists)."""
+    def wait_for_write(self, proc: subprocess.Popen, point: str, timeout: float = 300) -> bool:
+        """Until a checkpoint write has paused at `point`: its temporary folder holds the state
+        file but no manifest ("manifest"), or the manifest, not yet renamed into place ("rename")."""
         root, deadline = self.out / "checkpoints", time.monotonic() + timeout
+        marker = "state.json" if point == "manifest" else "manifest.json"
         while proc.poll() is None and time.monotonic() < deadline:
-            if root.is_dir() and any(p.name.startswith(".tmp-step_") for p in root.iterdir()):
+            if root.is_dir() and any((p / marker).is_file() for p in root.glob(".tmp-step_*")):
                 return True
             time.sleep(0.02)
         return False
@@ -169,13 +178,17 @@ class Campaign:
             os.killpg(proc.pid, signal.SIGKILL)
             return proc.wait()
 
-    def kill_workers(self, which: str):
+    def kill_workers(self, which) -> bool:
+        """SIGKILL "all" workers or "one", or send one of them the signal `which`; whether any got it."""
         workers = workers_of(self.out)
+        hit = False
         for p in (workers if which == "all" else self.rng.sample(workers, 1) if workers else []):
             try:
                 p.send_signal(signal.SIGKILL if which in ("all", "one") else which)
+                hit = True
             except psutil.NoSuchProcess:
                 pass
+        return hit
 
     def damage_newest(self) -> bool:
         """Truncate or flip a byte of a weights file of the newest checkpoint, when an older one remains."""
@@ -195,29 +208,26 @@ class Campaign:
         """One launch, ended by a fault of `kind` (damage: between this launch and the next)."""
         start = self.resumed_at()
         target = min(self.steps - 1, start + self.rng.randint(1, 6))
-        env, fsize = None, None
+        env, fsize, point = None, None, self.rng.choice(["manifest", "rename"])
         if kind == "kill-in-write":
-            env = {"HVDTRAIN_TEST_CHECKPOINT_PAUSE": f"{self.rng.choice(['manifest', 'rename'])}:2"}
+            env = {"HVDTRAIN_TEST_CHECKPOINT_PAUSE": f"{point}:2"}
         if kind == "write-failure":
             fsize = 2 << 20  # metrics.jsonl and the tokenizer fit; a checkpoint's optimizer state does not
         proc = self.start(env, fsize)
         if kind == "kill-in-write":
-            landed = self.wait_for_write(proc)
-            if landed:
-                self.kill_workers("all")
+            landed = self.wait_for_write(proc, point) and self.kill_workers("all")
         elif kind == "write-failure":
             landed = True  # the first checkpoint write fails
+        elif not self.wait_for_step(proc, target):
+            landed = False
+        elif kind == "kill-launcher":
+            os.kill(proc.pid, signal.SIGKILL)
+            landed = True
+            self.check_orphans()
+        elif kind == "preempt":
+            landed = self.kill_workers(self.rng.choice([signal.SIGTERM, signal.SIGUSR1]))
         else:
-            landed = self.wait_for_step(proc, target)
-            if landed and kind == "kill-worker":
-                self.kill_workers("one")
-            elif landed and kind == "kill-all":
-                self.kill_workers("all")
-            elif landed and kind == "preempt":
-                self.kill_workers(self.rng.choice([signal.SIGTERM, signal.SIGUSR1]))
-            elif landed and kind == "kill-launcher":
-                os.kill(proc.pid, signal.SIGKILL)
-                self.check_orphans()
+            landed = self.kill_workers("one" if kind == "kill-worker" else "all")
         code = self.finish(proc)
         self.log.write(f"--- {kind}: exit {code}\n")
         reached = step_reached(self.out)
@@ -301,7 +311,7 @@ def compare(campaign: Campaign, reference: Path, rtol: float) -> dict:
     out, steps = campaign.out, campaign.steps
     records = train_records(out)
     per_step = Counter(r["step"] for r in records)
-    raw = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
+    raw = metrics_lines(out)
     partial = [line for line in raw if line.strip() and not line.rstrip().endswith("}")]
     final = {r["step"]: r["loss"] for r in records}
     expected = {r["step"]: r["loss"] for r in train_records(reference)}
