@@ -30,6 +30,7 @@ import mmap
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -136,6 +137,15 @@ def write_part(tmp: Path, index: int, count: int, model, optimizer) -> dict[str,
         return {name: sealed(tmp / name) for name in (model_file, optimizer_file)}
 
 
+def _test_pause(point: str):
+    """Test aid for the fault campaign (scripts/bench_faults.py): HVDTRAIN_TEST_CHECKPOINT_PAUSE=
+    "POINT:SECONDS" sleeps at POINT of every write ("manifest": every file but the manifest written;
+    "rename": the manifest written, not yet renamed into place), so that a kill lands there."""
+    wanted, _, seconds = os.environ.get("HVDTRAIN_TEST_CHECKPOINT_PAUSE", "").partition(":")
+    if wanted == point:
+        time.sleep(float(seconds))
+
+
 def finish_checkpoint(tmp: Path, step: int, model_config, state: dict, rngs: list[dict], keep: int,
                       parts: dict[str, dict]) -> Path:
     """After every part is written (`parts`: the manifest entries their writers gave): the
@@ -150,10 +160,12 @@ def finish_checkpoint(tmp: Path, step: int, model_config, state: dict, rngs: lis
         (tmp / STATE_FILE).write_text(json.dumps({"format": FORMAT, **state}, indent=1))
         files = {**parts, **{name: sealed(tmp / name) for name in (MODEL_CONFIG_FILE, RNG_FILE, STATE_FILE)}}
         files = dict(sorted(files.items()))
+        _test_pause("manifest")
         # The manifest last: a folder with a valid manifest is a complete checkpoint.
         (tmp / MANIFEST_FILE).write_text(json.dumps({"format": FORMAT, "step": step, "files": files}, indent=1))
         _fsync(tmp / MANIFEST_FILE)
         _fsync(tmp)
+    _test_pause("rename")
     if final.exists():  # the same step written again (e.g. a rerun): swap, never delete first
         old = root / f".old-{final.name}"
         shutil.rmtree(old, ignore_errors=True)

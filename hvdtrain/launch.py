@@ -7,6 +7,7 @@ hvdtrain.relay, so that the user sees each real error once.
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -127,10 +128,23 @@ def run_launch(args) -> int:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.np)))
         env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     relay = Relay(hosts_by_rank(args.hosts, args.np), args.np)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-    for line in proc.stdout:
-        relay.feed(line)
-    return relay.finish(proc.wait())
+    # horovodrun in a process group of its own, watched by a guard that stops it if this launcher
+    # dies (hvdtrain.launcher_guard); so the terminal's Ctrl-C reaches this launcher only, which
+    # passes it on and goes on showing what the workers say until they have stopped.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            start_new_session=True)
+    guard = subprocess.Popen([sys.executable, "-m", "hvdtrain.launcher_guard", str(proc.pid), str(os.getpid())])
+    try:
+        while True:
+            try:
+                for line in proc.stdout:
+                    relay.feed(line)
+                return relay.finish(proc.wait())
+            except KeyboardInterrupt:
+                os.killpg(proc.pid, signal.SIGINT)
+    finally:
+        guard.kill()
+        guard.wait()
 
 
 def add_launch_options(p: argparse.ArgumentParser, default_np: int):
