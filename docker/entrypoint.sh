@@ -6,7 +6,8 @@
 #                       a stop signal on to those ranks (see stop_ranks)
 #   PROGRAM [ARGS...]   a program on PATH runs as given: bash, mpirun, horovodrun, python ...
 #   [ARGS...]           anything else is the launcher/default role: hvdtrain ARGS
-#                       (docker run IMAGE launch -np 8 recipes/gpt2-small.yaml)
+#                       (docker run IMAGE launch -np 8 recipes/gpt2-small.yaml), as a child that
+#                       a stop signal reaches the same way (see stop_ranks)
 #
 # Worker settings (environment):
 #   SSH_PORT   port sshd listens on (default 2222; the image's ssh client uses the same port)
@@ -62,18 +63,29 @@ EOF
   # and the kernel would then SIGKILL every rank before it could write its checkpoint.
   # (sshd re-executes itself, so it must be started by absolute path.)
   "$(command -v sshd)" -D -e -f "$state/sshd_config" &
-  sshd_pid=$! stopped=
+  # Stopped on request once the ranks were gone: a clean stop, whatever sshd says of its SIGTERM.
+  supervise stop 0
+}
+
+# The default role: hvdtrain as a child, not in this shell's place. As PID 1, `hvdtrain launch`
+# would never see a `docker stop` (the kernel drops signals that PID 1 has no handler for), and
+# the ranks would be SIGKILLed when the grace period ends. Its exit status is the container's.
+run_hvdtrain() {
+  hvdtrain "$@" <&0 &
+  supervise wait ""
+}
+
+supervise() { # AFTER_RANKS STOPPED_STATUS: wait for the child just started; stop signals -> stop_ranks
+  child=$! after_ranks=$1 stopped_status=$2 stopped=
   trap 'stop_ranks TERM TERM' TERM
   trap 'stop_ranks INT TERM' INT
   trap 'stop_ranks USR1 USR1' USR1
-  # `wait` returns early when a trapped signal arrives (status > 128): wait again until sshd ends.
+  # `wait` returns early when a trapped signal arrives (status > 128): wait again until it ends,
+  # then once more for its own exit status (bash keeps it for a child it has collected).
+  while kill -0 "$child" 2> /dev/null; do wait "$child" || true; done
   local status=0
-  while kill -0 "$sshd_pid" 2> /dev/null; do
-    status=0
-    wait "$sshd_pid" || status=$?
-  done
-  # Stopped on request once the ranks were gone: a clean stop, whatever sshd says of its SIGTERM.
-  if [[ -n $stopped ]]; then exit 0; fi
+  wait "$child" || status=$?
+  if [[ -n $stopped && -n $stopped_status ]]; then exit "$stopped_status"; fi
   exit "$status"
 }
 
@@ -110,21 +122,29 @@ alive() { # PID: running, not a zombie that its parent has yet to collect
 
 # A stop signal (Kubernetes' eviction, `docker stop`, Ctrl-C) goes to PID 1 only. The ranks get it
 # as hvdtrain's preemption signal (SIGTERM; SIGUSR1 as given): they agree on a step, write a
-# checkpoint and exit (hvdtrain/run_control.py). sshd stops once they are gone, which ends the
-# container (exit 0); the orchestrator's grace period bounds the wait. SIGUSR1 only warns: the
-# worker stays.
+# checkpoint and exit (hvdtrain/run_control.py); the orchestrator's grace period bounds the wait.
+# Then, in a worker, sshd is stopped, which ends the container (exit 0); a launcher (`hvdtrain
+# launch`, horovodrun) ends by itself once its ranks have. Without ranks here the child gets the
+# SIGTERM itself. SIGUSR1 only warns: the container stays.
 stop_ranks() { # RECEIVED FORWARDED
   local ranks
   ranks=$(rank_pids)
-  echo "worker: SIG$1: SIG$2 to the hvdtrain ranks here:" ${ranks:-none} >&2
-  if [[ -n $ranks ]]; then kill -s "$2" $ranks 2> /dev/null || true; fi
+  echo "hvdtrain-entrypoint: SIG$1: SIG$2 to the hvdtrain ranks here:" ${ranks:-none} >&2
+  if [[ -z $ranks ]]; then
+    if [[ $2 == TERM ]]; then
+      stopped=1
+      kill -s TERM "$child" 2> /dev/null || true
+    fi
+    return 0
+  fi
+  kill -s "$2" $ranks 2> /dev/null || true
   [[ $2 == TERM ]] || return 0
   while [[ -n $ranks ]]; do
     sleep 0.2
     ranks=$(for pid in $ranks; do if alive "$pid"; then echo "$pid"; fi; done)
   done
   stopped=1
-  kill -s TERM "$sshd_pid" 2> /dev/null || true
+  if [[ $after_ranks == stop ]]; then kill -s TERM "$child" 2> /dev/null || true; fi
 }
 
 if [[ ${1:-} == worker ]]; then
@@ -132,5 +152,5 @@ if [[ ${1:-} == worker ]]; then
 elif [[ $# -gt 0 ]] && type -P "$1" > /dev/null; then
   exec "$@"
 else
-  exec hvdtrain "$@"
+  run_hvdtrain "$@"
 fi

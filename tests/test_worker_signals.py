@@ -1,10 +1,11 @@
-"""The image's `worker` role passes a stop signal on to the hvdtrain ranks in its container.
+"""The image's entrypoint passes a stop signal on to the hvdtrain ranks in its container.
 
 In a Kubernetes worker pod or a Docker `worker` container the ranks are started over ssh, so they
-are descendants of sshd; an eviction or `docker stop` signals PID 1 only, and when PID 1 ends the
-kernel SIGKILLs the rest. docker/entrypoint.sh is run here as it runs in the container, with
-real processes: a stand-in sshd that starts the "sessions" (fake ranks, or real ranks through
-horovodrun), then a signal to the entrypoint.
+are descendants of sshd; in the default role (`docker compose up`: `hvdtrain launch`) they are
+horovodrun's. An eviction or `docker stop` signals PID 1 only, a PID 1 without a handler never
+sees it, and when PID 1 ends the kernel SIGKILLs the rest. docker/entrypoint.sh is run here as it
+runs in the container, with real processes: a stand-in sshd that starts the "sessions" (fake
+ranks, or real ranks through horovodrun) or hvdtrain launch itself, then a signal to the entrypoint.
 """
 import os
 import signal
@@ -110,7 +111,7 @@ bash {tmp_path}/bin/bystander &
     assert lines.index("rank0: exited") < lines.index(lines[-1]) and "session of rank1 ended" in lines
     assert not [line for line in lines if line.startswith("bystander")], lines
     assert worker.returncode == 0  # a clean stop
-    assert f"worker: {stop.name}: SIGTERM to the hvdtrain ranks here:" in (tmp_path / "worker.err").read_text()
+    assert f"hvdtrain-entrypoint: {stop.name}: SIGTERM to the hvdtrain ranks here:" in (tmp_path / "worker.err").read_text()
 
 
 def test_a_stop_signal_without_ranks_stops_sshd_at_once(tmp_path):
@@ -156,3 +157,77 @@ def test_sigterm_to_the_worker_checkpoints_real_ranks_started_by_horovodrun(tmp_
     assert (tmp_path / "log").read_text().splitlines()[-1] == "sshd: SIGTERM, ranks running: 0"
     assert (tmp_path / "horovodrun.exit").read_text().strip() != "0"
     assert worker.returncode == 0
+
+
+def start_launcher(tmp_path: Path, *args) -> subprocess.Popen:
+    """The entrypoint's default role: `hvdtrain ARGS` (tmp_path/bin first on PATH)."""
+    env = dict(os.environ, **OFFLINE, **SHARED_CORES, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+               TMPDIR=str(tmp_path), HOME=str(tmp_path), HVDTRAIN_TEST_WORKER=str(tmp_path))
+    with open(tmp_path / "launcher.out", "w") as out, open(tmp_path / "launcher.err", "w") as err:
+        return subprocess.Popen([ENTRYPOINT, *map(str, args)], stdout=out, stderr=err, env=env, cwd=REPO)
+
+
+def test_in_the_launcher_role_the_ranks_get_the_stop_signal_and_the_launcher_ends_with_them(tmp_path):
+    log = tmp_path / "log"
+    # A stand-in for `hvdtrain launch` that starts two ranks (`hvdtrain train rN`), logs any
+    # signal it gets itself, and exits with what the last rank exited with.
+    write_program(tmp_path / "bin" / "hvdtrain", f"""
+if [[ $1 == train ]]; then
+{FAKE_RANK.format(log=log)}
+fi
+for s in TERM INT USR1; do trap "echo \\"launch: SIG$s\\" >> {log}" $s; done
+bash $0 train rank0 & bash $0 train rank1 &
+echo ready >> {log}
+while ! wait; do :; done
+echo "launch: ranks ended" >> {log}
+exit 75
+""")
+    launcher = start_launcher(tmp_path, "launch", "-np", "2", "recipes/gpt-tiny.yaml")
+    try:
+        wait_for(lambda: log.exists() and "ready" in log.read_text(), launcher, 20, "the launcher")
+        time.sleep(0.5)
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=20)
+    finally:
+        stop_all(launcher, tmp_path)
+    lines = log.read_text().splitlines()
+    assert {"rank0: SIGTERM", "rank1: SIGTERM", "rank0: exited", "rank1: exited", "launch: ranks ended"} <= set(lines)
+    assert not [line for line in lines if line.startswith("launch: SIG")], lines
+    assert launcher.returncode == 75  # the launcher's own status: preempted, rerun to resume
+
+
+def test_without_ranks_the_stop_signal_goes_to_the_hvdtrain_command_itself(tmp_path):
+    write_program(tmp_path / "bin" / "hvdtrain", f"trap 'echo got SIGTERM > {tmp_path}/log; exit 3' TERM\n"
+                                                 f"touch {tmp_path}/ready\nwhile true; do sleep 0.05; done\n")
+    launcher = start_launcher(tmp_path, "doctor")
+    try:
+        wait_for(lambda: (tmp_path / "ready").exists(), launcher, 20, "hvdtrain doctor")
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=10)
+    finally:
+        stop_all(launcher, tmp_path)
+    assert (tmp_path / "log").read_text() == "got SIGTERM\n" and launcher.returncode == 3
+
+
+@pytest.mark.workers
+def test_sigterm_to_a_launcher_container_checkpoints_and_exits_as_preempted(tmp_path, tiny_config):
+    """`docker compose stop` of the train service: SIGTERM to PID 1, the entrypoint running
+    `hvdtrain launch -np 2` (Gloo): the ranks checkpoint at the same step and the container
+    exits with the preemption code, so that `up` again resumes."""
+    config = tiny_config({"train": {"max_steps": 100_000}, "checkpoint": {"every": 0}})
+    out = tmp_path / "run"
+    (tmp_path / "bin").mkdir()
+    launcher = start_launcher(tmp_path, "launch", "-np", "2", "--gloo", config, f"out_dir={out}")
+    metrics = out / "metrics.jsonl"
+    try:
+        wait_for(lambda: metrics.exists() and metrics.read_text().count('"tokens_per_s"') >= 3, launcher, 180,
+                 "3 training steps")
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=120)
+    finally:
+        stop_all(launcher, tmp_path)
+    said = (tmp_path / "launcher.err").read_text() + (tmp_path / "launcher.out").read_text()
+    assert "stopped: preempted at step" in said, said[-3000:]
+    step = int(said.split("stopped: preempted at step ")[1].split()[0].rstrip(":,."))
+    assert checkpoint.newest_intact_checkpoint(out).name == f"step_{step:08d}"
+    assert launcher.returncode == 75, said[-2000:]
