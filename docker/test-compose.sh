@@ -9,9 +9,10 @@
 # the compose file's hvdtrain:latest. The project is a folder laid out as the repository
 # (docker/docker-compose.yml, a byte-for-byte copy, with data/ and runs/ next to docker/, made by
 # the image's user before the first run, as the README says). Checks, as a user would see them:
-#   1. `up` of the train service: `hvdtrain launch -np $NUM_GPUS recipes/$RECIPE.yaml` trains on 2
-#      workers (NUM_GPUS=2, a gpt-tiny recipe that pauses at step STEPS/2) and the service exits 0
-#   2. runs/ on the host holds the checkpoint and metrics.jsonl, owned by uid 1000
+#   1. `up -d` of the train service: `hvdtrain launch -np $NUM_GPUS recipes/$RECIPE.yaml` trains on
+#      2 workers (NUM_GPUS=2, a gpt-tiny recipe of STEPS steps), then `stop` (SIGTERM) after a few
+#      steps: the ranks checkpoint at the same step and the service exits 75 (preempted)
+#   2. runs/ on the host holds that checkpoint and metrics.jsonl, owned by uid 1000
 #   3. a second `up` resumes from that checkpoint and finishes at STEPS, with hf/, not from step 0
 #   4. the volumes: runs/ and data/ of the project bind-mounted at /opt/hvdtrain/runs and /data, the
 #      named volume hvdtrain_hf-cache at /home/hvd/.cache holding the tokenized data and HF_HOME;
@@ -23,13 +24,13 @@
 # fails) and the cgroupfs manager, and podman's default ulimits cannot be set here.
 #
 # Environment:
-#   TEST_COMPOSE_STEPS     training steps of the run (default 10; the first `up` stops at half)
+#   TEST_COMPOSE_STEPS     training steps of the run (default 30; the first `up` is stopped after 3)
 #   TEST_COMPOSE_TIMEOUT   seconds each `up` may take (default 300)
 #   and those of docker/test-image.sh for the build (HVDTRAIN_IMAGE_CACHE, HVDTRAIN_IMAGE_STORAGE, ...)
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
-steps=${TEST_COMPOSE_STEPS:-10}
+steps=${TEST_COMPOSE_STEPS:-30}
 up_timeout=${TEST_COMPOSE_TIMEOUT:-300}
 user_uid=1000  # the image's user (docker/Dockerfile: USER_UID)
 
@@ -99,17 +100,16 @@ cp "$repo/docker/docker-compose.yml" "$project/docker/"
 chown "$user_uid:$user_uid" "$project"
 setpriv --reuid "$user_uid" --regid "$user_uid" --clear-groups mkdir -p "$project/data" "$project/runs"
 
-# A tiny recipe, mounted next to the image's recipes: gpt-tiny, few steps, a pause half-way.
-half=$((steps / 2))
+# A tiny recipe, mounted next to the image's recipes: gpt-tiny, few steps, no checkpoint but the
+# one that the stop makes.
 cat > "$work/compose-test.yaml" <<EOF
 base: gpt-tiny.yaml
 out_dir: runs/compose-test
 train:
   max_steps: $steps
-  stop_at_step: $half
   warmup_steps: 2
 checkpoint:
-  every: $half
+  every: 0
 log:
   every: 1
   progress: false
@@ -163,16 +163,25 @@ cmp "$repo/docker/docker-compose.yml" "$project/docker/docker-compose.yml"
 cd "$project/docker"
 run=$project/runs/compose-test
 
-up() { # LOG: `up` of the train service in the foreground, until it exits; LOG: what it printed
+up() { # LOG [UP OPTIONS]: `up` of the train service, until it exits (or in the background: -d)
+  local log=$1
+  shift
   # (--abort-on-container-exit makes podman-compose 1.0.3 exit 255 whatever the container did.)
-  timeout "$up_timeout" "${compose[@]}" up --no-build train > "$work/compose.log" 2>&1 \
+  timeout "$up_timeout" "${compose[@]}" up --no-build "$@" train > "$work/compose.log" 2>&1 \
     || { tail -40 "$work/compose.log"; die "podman-compose up failed (or took over $up_timeout s)"; }
+}
+
+exited() { # EXIT_CODE LOG: the train container exited with EXIT_CODE; LOG: what it printed
   # podman-compose 1.0.3 does not show the container's output, and its exit status is its own.
-  podman logs hvdtrain_train_1 > "$1" 2>&1
-  grep -E 'step [0-9]+:|hvdtrain:|[Ee]rror|Traceback' "$1" | cut -c1-200 || true
+  podman logs hvdtrain_train_1 > "$2" 2>&1
+  grep -E 'step [0-9]+:|hvdtrain:|[Ee]rror|Traceback' "$2" | cut -c1-200 || true
   local code
   code=$(podman inspect --format '{{.State.ExitCode}}' hvdtrain_train_1)
-  [[ $code == 0 ]] || { tail -40 "$1"; die "the train container exited with $code"; }
+  [[ $code == "$1" ]] || { tail -40 "$2"; die "the train container exited with $code, not $1"; }
+}
+
+trained() { # the number of training steps in runs/compose-test/metrics.jsonl
+  if [[ -f $run/metrics.jsonl ]]; then grep -c '"tokens_per_s"' "$run/metrics.jsonl" || true; else echo 0; fi
 }
 
 check() { # STEP: metrics.jsonl reaches STEP on 2 workers; checkpoint and metrics owned by uid 1000
@@ -195,11 +204,23 @@ EOF
 
 # ---------------------------------------------------------------- the runs
 
-say "1. up: NUM_GPUS=2 RECIPE=compose-test (gpt-tiny, pauses at step $half of $steps)"
+say "1. up -d: NUM_GPUS=2 RECIPE=compose-test (gpt-tiny, $steps steps), then stop after 3 steps"
 start=$SECONDS
-up "$work/up1.log"
-check "$half"
-echo "first up: $(elapsed "$start")"
+up "$work/up1.log" -d
+deadline=$((SECONDS + up_timeout))
+while (($(trained) < 3)); do
+  [[ $(podman inspect --format '{{.State.Running}}' hvdtrain_train_1) == true ]] \
+    || { exited 0 "$work/up1.log"; die "the train container stopped before 3 steps"; }
+  ((SECONDS < deadline)) || die "no 3 training steps in $up_timeout s"
+  sleep 1
+done
+# As `docker compose stop`: SIGTERM to the container's PID 1, the entrypoint.
+"${compose[@]}" stop -t 120 train > "$work/compose.log" 2>&1 || { cat "$work/compose.log"; die "stop failed"; }
+exited 75 "$work/up1.log"
+stopped_at=$(sed -n 's/.*stopped: preempted at step \([0-9]*\).*/\1/p' "$work/up1.log" | head -1)
+[[ -n $stopped_at ]] || { tail -20 "$work/up1.log"; die "the stop did not end the run as preempted"; }
+check "$stopped_at"
+echo "first up and stop: $(elapsed "$start")"
 
 say "4. the volumes of the train container (and no device)"
 [[ $(podman inspect --format '{{len .HostConfig.Devices}}' hvdtrain_train_1) == 0 ]] || die "the container has devices"
@@ -215,11 +236,12 @@ cache=$(podman volume inspect --format '{{.Mountpoint}}' hvdtrain_hf-cache)
 compgen -G "$cache/hvdtrain/tokenized/*" > /dev/null || die "no tokenized data in the cache volume ($cache)"
 [[ -d $cache/huggingface ]] || die "no HF_HOME (huggingface/) in the cache volume"
 
-say "3. up again: resumes at step $half and finishes at $steps"
+say "3. up again: resumes at step $stopped_at and finishes at $steps"
 start=$SECONDS
 up "$work/up2.log"
-grep -q "resuming at step $half from runs/compose-test/checkpoints/step_" "$work/up2.log" \
-  || { tail -40 "$work/up2.log"; die "the second up did not resume at step $half"; }
+exited 0 "$work/up2.log"
+grep -q "resuming at step $stopped_at from runs/compose-test/checkpoints/step_" "$work/up2.log" \
+  || { tail -40 "$work/up2.log"; die "the second up did not resume at step $stopped_at"; }
 check "$steps"
 [[ -f $run/hf/config.json ]] || die "no hf/ export at the end of the run"
 echo "second up: $(elapsed "$start")"

@@ -281,6 +281,7 @@ def test_compose_runs_hvdtrain_launch_on_all_gpus():
     assert gpus["driver"] == "nvidia" and gpus["count"] == "all" and "gpu" in gpus["capabilities"]
     # A /dev/shm of its own for the workers (`ipc: host` would be ignored by podman-compose).
     assert "ipc" not in service and service["shm_size"] == "16gb"
+    assert service["stop_grace_period"] == "3m"  # time for the checkpoint that a stop makes
     assert service["ulimits"] == {"memlock": -1, "stack": 67108864}
     assert (DOCKER / service["build"]["context"] / service["build"]["dockerfile"]).resolve() == DOCKER / "Dockerfile"
 
