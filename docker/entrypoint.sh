@@ -89,7 +89,7 @@ supervise() { # AFTER_RANKS STOPPED_STATUS: wait for the child just started; sto
   exit "$status"
 }
 
-# The hvdtrain ranks among this shell's descendants (those that sshd's sessions started), by the
+# The hvdtrain ranks among this shell's descendants (started by sshd's sessions or by the child), by the
 # program they run: `hvdtrain train ...` (mpirun and the MPI Operator; the console script runs as
 # `python /opt/venv/bin/hvdtrain train`) or `python -m hvdtrain.cli train ...` (horovodrun). The
 # processes that started them (orted, shells) are left alone: stopped, they would end the job at once.
