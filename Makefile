@@ -5,7 +5,7 @@ NP ?= 2
 RECIPE ?= recipes/gpt-tiny.yaml
 BIN := $(VENV)/bin
 
-.PHONY: setup train test test-fast test-image test-slurm bench gpu-carry clean
+.PHONY: setup train test test-fast test-image test-compose test-slurm bench gpu-carry clean
 
 # venv, torch (TORCH_SPEC=... to choose a build), Horovod built for this machine, hvdtrain.
 # As root on Debian/Ubuntu it apt-installs what is missing (Open MPI, ...); SETUP_ARGS=--sshd
@@ -29,6 +29,11 @@ test-fast: setup
 # runs it: doctor, 2 workers with Gloo and with MPI, a worker container reached over ssh (root).
 test-image:
 	docker/test-image.sh
+
+# docker/docker-compose.yml, unmodified, run with podman-compose on that image (built or reused):
+# 2 workers, a resume, the volumes and the owner of runs/ (root; apt-installs podman when missing).
+test-compose:
+	docker/test-compose.sh
 
 # docker/slurm/hvdtrain.sbatch submitted to a one-node Slurm started for the test (root).
 test-slurm: setup

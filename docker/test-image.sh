@@ -3,6 +3,7 @@
 # flavour (a Debian 12 base made by debootstrap), built by buildah, then run as the README runs it.
 #
 #   docker/test-image.sh            # or: make test-image
+#   docker/test-image.sh --build-only   # only build (or find cached) the image: docker/test-compose.sh
 #
 # Checks, each inside the image as its user (uid 1000):
 #   1. hvdtrain doctor: READY, with the Gloo and MPI controllers built
@@ -61,23 +62,12 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
 
-# Storage: overlay where the kernel has it (layers hold only their changes), else vfs (every layer
-# a full copy of the file system: about 3 GB each here, so a cached build takes tens of GB).
-if [[ -z ${STORAGE_DRIVER:-} ]]; then
-  if grep -qw overlay /proc/filesystems; then STORAGE_DRIVER=overlay; else STORAGE_DRIVER=vfs; fi
-fi
-export BUILDAH_ISOLATION=chroot STORAGE_DRIVER
-# The images and layers live outside ~/.cache: buildah 1.28 empties a build container's whole file
-# system when a RUN's cache mount target (the Dockerfile's /root/.cache) is a folder above the
-# storage on the host (after the RUN it removes the target, and resolves that path to "/").
-storage=${HVDTRAIN_IMAGE_STORAGE:-/var/lib/hvdtrain/buildah}/$STORAGE_DRIVER
-case $storage/ in
-  /root/.cache/*) die "HVDTRAIN_IMAGE_STORAGE must not be under /root/.cache (see above)" ;;
-esac
+# The storage of images and layers: docker/image-storage.sh.
+source "$repo/docker/image-storage.sh"
+export BUILDAH_ISOLATION=chroot
 # Cache mounts of the build (pip, the Horovod wheel) land under $TMPDIR/buildah-cache.
 mkdir -p "$storage" "$cache/tmp"
 export TMPDIR=$cache/tmp
-runroot=/run/hvdtrain-buildah-$STORAGE_DRIVER
 bh() { buildah --root "$storage" --runroot "$runroot" --storage-driver "$STORAGE_DRIVER" "$@"; }
 
 # One run at a time on this storage; containers left by a run that was killed go first.
@@ -193,6 +183,10 @@ bh inspect --type image "$image" > /dev/null || die "buildah build made no $imag
 echo "build: $(elapsed "$start")"
 # Layers of earlier builds that no tag uses any more.
 bh rmi --prune > /dev/null 2>&1 || true
+if [[ ${1:-} == --build-only ]]; then
+  say "built $image in $storage ($STORAGE_DRIVER)"
+  exit 0
+fi
 
 # ---------------------------------------------------------------- run
 

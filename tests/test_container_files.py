@@ -279,7 +279,9 @@ def test_compose_runs_hvdtrain_launch_on_all_gpus():
 
     (gpus,) = service["deploy"]["resources"]["reservations"]["devices"]
     assert gpus["driver"] == "nvidia" and gpus["count"] == "all" and "gpu" in gpus["capabilities"]
-    assert service.get("ipc") == "host" or service.get("shm_size")
+    # A /dev/shm of its own for the workers (`ipc: host` would be ignored by podman-compose).
+    assert "ipc" not in service and service["shm_size"] == "16gb"
+    assert service["stop_grace_period"] == "3m"  # time for the checkpoint that a stop makes
     assert service["ulimits"] == {"memlock": -1, "stack": 67108864}
     assert (DOCKER / service["build"]["context"] / service["build"]["dockerfile"]).resolve() == DOCKER / "Dockerfile"
 
@@ -430,10 +432,11 @@ def test_hvdtrain_commands_in_the_docs_parse():
 # ---------------------------------------------------------------- the scripts that build and run it all here
 
 TEST_IMAGE = DOCKER / "test-image.sh"
+TEST_COMPOSE = DOCKER / "test-compose.sh"
 TEST_SLURM = DOCKER / "slurm" / "test-slurm.sh"
 
 
-@pytest.mark.parametrize("script", [TEST_IMAGE, TEST_SLURM], ids=lambda p: p.name)
+@pytest.mark.parametrize("script", [TEST_IMAGE, TEST_COMPOSE, TEST_SLURM], ids=lambda p: p.name)
 def test_the_real_checks_are_valid_bash_and_executable(script):
     subprocess.run(["bash", "-n", script], check=True)
     assert os.access(script, os.X_OK)
@@ -442,10 +445,30 @@ def test_the_real_checks_are_valid_bash_and_executable(script):
 def test_make_and_ci_run_the_real_checks():
     makefile = (REPO / "Makefile").read_text()
     assert re.search(r"^test-image:.*\n\tdocker/test-image\.sh$", makefile, re.M)
+    assert re.search(r"^test-compose:.*\n\tdocker/test-compose\.sh$", makefile, re.M)
     assert re.search(r"^test-slurm:.*\n\tdocker/slurm/test-slurm\.sh$", makefile, re.M)
     ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
     suite = next(i for i, line in enumerate(ci) if re.match(r"make test( |$)", line))
-    assert suite < ci.index("make test-image") and "make test-slurm" in ci
+    # test-compose reuses the image that test-image built.
+    assert suite < ci.index("make test-image") < ci.index("make test-compose") and "make test-slurm" in ci
+
+
+def test_test_compose_runs_the_shipped_compose_file_on_the_test_image():
+    script = TEST_COMPOSE.read_text()
+    # The image of test-image.sh, from its storage; the compose file copied byte for byte.
+    assert '"$repo/docker/test-image.sh" --build-only' in script and 'source "$repo/docker/image-storage.sh"' in script
+    assert 'cp "$repo/docker/docker-compose.yml" "$project/docker/"' in script
+    assert 'cmp "$repo/docker/docker-compose.yml" "$project/docker/docker-compose.yml"' in script
+    # Only an override file and the compose file's own variables.
+    (compose,) = re.findall(r"^compose=\((.*)\)$", script, re.M)
+    assert compose == 'podman-compose -p hvdtrain -f "$project/docker/docker-compose.yml" -f "$work/cpu.yml"'
+    assert "export NUM_GPUS=2 RECIPE=compose-test" in script
+    variables = set(re.findall(r"\$\{(\w+):-", (DOCKER / "docker-compose.yml").read_text()))
+    assert {"NUM_GPUS", "RECIPE"} <= variables
+    # What the machine needs for podman, written when there is no configuration.
+    for setting in ("default_ulimits = []", 'cgroup_manager = "cgroupfs"', 'runtime = "runc"'):
+        assert setting in script
+    assert "for tool in podman podman-compose runc" in script
 
 
 def test_test_image_builds_the_dockerfile_and_uses_it_as_the_readme_does():
