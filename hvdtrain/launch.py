@@ -129,20 +129,27 @@ def run_launch(args) -> int:
         env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     relay = Relay(hosts_by_rank(args.hosts, args.np), args.np)
     # horovodrun in a process group of its own, watched by a guard that stops it if this launcher
-    # dies (hvdtrain.launcher_guard); so the terminal's Ctrl-C reaches this launcher only, which
-    # passes it on and goes on showing what the workers say until they have stopped.
+    # dies (hvdtrain.launcher_guard). A stop signal for the job (a scheduler's SIGTERM, Ctrl-C's
+    # SIGINT) is passed on to that group, which stops the workers as on a preemption, and the
+    # launcher goes on showing what they say until they have stopped.
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                             start_new_session=True)
     guard = subprocess.Popen([sys.executable, "-m", "hvdtrain.launcher_guard", str(proc.pid), str(os.getpid())])
+
+    def pass_on(signum, frame):
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass  # the job has ended already
+
+    handlers = {signum: signal.signal(signum, pass_on) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while True:
-            try:
-                for line in proc.stdout:
-                    relay.feed(line)
-                return relay.finish(proc.wait())
-            except KeyboardInterrupt:
-                os.killpg(proc.pid, signal.SIGINT)
+        for line in proc.stdout:
+            relay.feed(line)
+        return relay.finish(proc.wait())
     finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
         guard.kill()
         guard.wait()
 

@@ -355,3 +355,24 @@ def test_the_workers_of_a_killed_launcher_stop_by_themselves(tmp_path, tiny_conf
             os.kill(pid, signal.SIGKILL)
         launcher.stdout.close()
         launcher.stderr.close()
+
+
+@pytest.mark.workers
+def test_a_stop_signal_to_the_launcher_stops_the_workers_as_a_preemption(tmp_path, tiny_config):
+    """A scheduler's SIGTERM to `hvdtrain launch` reaches the workers: they agree on a step, write
+    its checkpoint and stop, and the launcher says so and exits 75 (run the same command again)."""
+    import signal
+    from helpers import start_cmd
+    from hvdtrain import checkpoint
+    out = tmp_path / "run"
+    config = tiny_config({"train": {"max_steps": 500, "slow_ranks": [0, 1], "slow_seconds": 0.2}})
+    launcher = start_cmd([BIN / "hvdtrain", "launch", "-np", "2", "--gloo", config, f"out_dir={out}"])
+    deadline = time.monotonic() + 120
+    while not (out / "metrics.jsonl").exists():
+        assert launcher.poll() is None and time.monotonic() < deadline, "the run did not start"
+        time.sleep(0.2)
+    launcher.send_signal(signal.SIGTERM)
+    stdout, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode == 75, stdout[-2000:] + stderr[-2000:]
+    assert "preempted" in stdout + stderr and "Traceback" not in stdout + stderr
+    assert checkpoint.newest_intact_checkpoint(out) is not None and training_workers(out) == []
