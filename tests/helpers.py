@@ -112,6 +112,8 @@ def assert_same_losses(a: dict, b: dict, min_steps: int = 5):
 
 
 def assert_same_params(a: dict, b: dict, atol=0.0):
+    """Bitwise (atol=0) only for the same computation run twice (copies on two ranks, a resume);
+    two different computations (other world sizes, accumulation) need an fp32 atol."""
     assert a.keys() == b.keys()
     for name in a:
         assert torch.allclose(a[name], b[name], rtol=0, atol=atol), name

@@ -121,8 +121,10 @@ def tiny(arch: str, n_layer: int = 4):
 @pytest.mark.parametrize("arch", ["gpt2", "bert"])
 @pytest.mark.parametrize("stages,per_rank", [(2, 1), (2, 2), (4, 1)])
 def test_stages_chained_compute_the_whole_model(arch, stages, per_rank):
-    """Running every rank's chunks in stage order gives the unsplit model's logits exactly, and the
-    stages' state dicts together are the whole model's, under the same names."""
+    """Running every rank's chunks in stage order gives the unsplit model's logits (to fp32
+    rounding: the stages call the blocks themselves, without the whole model's mask handling,
+    which may pick other attention kernels), and the stages' state dicts together are the whole
+    model's, under the same names."""
     whole = tiny(arch)
     bounds = pipeline.stage_bounds(4, stages, per_rank)
     parts = [pipeline.split_model(tiny(arch), pipeline.Layout(stages, 1, s, 0, per_rank), bounds)
@@ -136,7 +138,8 @@ def test_stages_chained_compute_the_whole_model(arch, stages, per_rank):
         hidden = chunk(hidden)
     logits, picked = parts[-1].logits_and_labels(hidden, labels)
     expected, expected_labels = logits_and_labels(whole, {"input_ids": ids, "labels": labels})
-    assert torch.equal(logits, expected) and torch.equal(picked, expected_labels)
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)  # fp32; logits are O(1)
+    assert torch.equal(picked, expected_labels)  # the same positions picked
 
     names = [name for part in parts for name in part.state_dict()]
     assert sorted(names) == sorted(whole.state_dict())
