@@ -112,6 +112,8 @@ def start_timeline(path: Path):
 
 
 def stop_timeline():
+    """Waits for no other rank (the coordinator closes the file), so clean-up after a failure
+    may call it."""
     hvd.stop_timeline()
 
 

@@ -30,6 +30,7 @@ so each stage can write its part of a checkpoint and any layout can read it back
 """
 import os
 import socket
+import sys
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -135,7 +136,12 @@ def open_groups(layout: Layout, backend: str) -> Groups:
     with Horovod. The store's host is MASTER_ADDR if set, else the host name horovodrun gave
     rank 0 (HOROVOD_HOSTNAME), else this machine's name; other hosts must reach it by that name."""
     world_size = hvd.size()
+    # init_process_group installs an excepthook that writes "[rankN]: " before every line of a
+    # traceback; horovodrun already tags each line with its rank, and hvdtrain.relay must see
+    # the traceback as the worker's Python printed it to show it.
+    excepthook = sys.excepthook
     dist.init_process_group(backend, store=_rendezvous_store(), rank=hvd.rank(), world_size=world_size)
+    sys.excepthook = excepthook
     # dist.new_group and hvd.add_process_set are collective: every rank makes every group, same order.
     pipeline = tied = None
     for d in range(layout.dp):

@@ -397,11 +397,11 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
                             f"written; run the same command again to continue")
                 mark_preempted(world)
                 raise RunStopped(f"preempted at step {done}", PREEMPTED_EXIT_CODE)
-    finally:  # also when a step fails: files closed, traces and timeline flushed, the collector back on
+    finally:  # also when a step fails: files closed, traces and timeline flushed, the collector back on.
+        # Nothing here waits for the other ranks: after a failure on this rank they are inside a
+        # step's collective and never come, and this rank must exit for its error to be shown.
         gc.enable()
         watchdog.close()
-        if groups is not None:
-            groups.close()
         preemption.close()
         profiler.close()
         if timeline is not None:
@@ -409,6 +409,8 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
         distributed.keep_autotune_log(cfg, world)
         if log is not None:
             log.close()
+    if groups is not None:  # collective: only once every rank has finished the last step
+        groups.close()
 
     if world.is_main:  # the whole model: with pipeline stages, rebuilt from the final checkpoint's parts
         whole = model if layout is None else load_checkpoint_model(checkpoint.list_checkpoints(cfg.out_dir)[-1])

@@ -86,6 +86,13 @@ def train_workers(np: int, config: Path, *overrides, worker: str = "train_and_du
     return proc
 
 
+def inject(failure: str) -> dict:
+    """The environment that makes rank 1 of a real run fail at its third backward pass
+    (workers/failure_injection): `error`, `user-error` or `kill`."""
+    return {"PYTHONPATH": os.pathsep.join([str(WORKERS / "failure_injection"), os.environ.get("PYTHONPATH", "")]),
+            "HVDTRAIN_TEST_FAIL": failure}
+
+
 def read_metrics(out_dir: Path) -> tuple[list[dict], list[dict]]:
     """(train records, eval records) of a run folder's metrics.jsonl, in step order."""
     return read_run_metrics(Path(out_dir))

@@ -1,10 +1,12 @@
 """Pipeline stages x Horovod data parallelism through the real training loop (`hvdtrain
 train` under horovodrun, Gloo, fp32, no dropout): the same maths as the unsplit model, tied
 copies equal, checkpoints that any layout resumes, and one line for each impossible layout."""
+import time
+
 import pytest
 import torch
 
-from helpers import (assert_same_losses, hvdtrain, load_params, read_metrics, step_losses, train_workers)
+from helpers import (assert_same_losses, hvdtrain, inject, load_params, read_metrics, step_losses, train_workers)
 from hvdtrain import checkpoint
 
 pytestmark = pytest.mark.workers
@@ -89,6 +91,21 @@ def test_resume_with_another_layout_equals_a_straight_run(tmp_path, tiny_config)
     from transformers import AutoModelForCausalLM
     exported = AutoModelForCausalLM.from_pretrained(moved / "hf").state_dict()
     assert_close_params({k: v for k, v in load_params(straight, 0).items() if k in exported}, exported)
+
+
+def test_a_failing_stage_ends_the_job_at_once_with_its_error(tmp_path, tiny_config):
+    """Rank 1 (the last stage) raises in its third backward; rank 0 waits for it inside the step.
+    The failing rank's clean-up must not wait for the others (Horovod's process sets are removed
+    collectively), or the job hangs until the stall watchdog names the wrong cause."""
+    start = time.monotonic()
+    proc = hvdtrain("launch", "--gloo", "-np", "2", tiny_config(PIPE), f"out_dir={tmp_path / 'run'}",
+                    "parallel.pipeline_stages=2", "horovod.stall_timeout_s=20", env=inject("error"), timeout=180)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.startswith("hvdtrain: worker 1 failed:\nTraceback (most recent call last):\n"), proc.stderr
+    assert proc.stderr.count("RuntimeError: injected failure in the middle of training") == 1, proc.stderr
+    assert "stalled" not in proc.stderr
+    assert elapsed < 40, elapsed  # the stall watchdog would have ended it after 3 x 20 s
 
 
 @pytest.mark.parametrize("overrides,words", [
