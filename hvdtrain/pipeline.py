@@ -430,11 +430,14 @@ def clip_grad_norm_(stage: StageModule, max_norm: float, groups: Groups) -> torc
     return total
 
 
-def any_nonfinite(stage: StageModule, groups: Groups) -> bool:
-    """Whether any stage of this pipeline has an inf or nan gradient, so that all stages skip
-    the same fp16 steps. Call after the data-parallel reduction (it spreads inf/nan to every copy)."""
-    flag = torch.zeros((), device=next(stage.parameters()).device)
-    for g in (p.grad for p in stage.parameters() if p.grad is not None):
-        flag = torch.maximum(flag, (~torch.isfinite(g)).any().float())
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=groups.pipeline)
-    return bool(flag.item())
+def share_found_inf(scaler: torch.amp.GradScaler, optimizer, groups: Groups):
+    """fp16: make the grad scaler of every stage of this pipeline see inf when any stage's
+    unscale_ found one, so that all stages skip the same steps and their scalers back off (and
+    restart their growth count) as the unsplit model's one scaler does. The scaler's own flags
+    are replaced in place by their maximum along the pipeline: no host read. Call after
+    scaler.unscale_ and after the data-parallel reduction (it spreads inf/nan to every copy)."""
+    flags = list(scaler._found_inf_per_device(optimizer).values())  # one per device, from unscale_
+    found = torch.stack(flags).amax()
+    dist.all_reduce(found, op=dist.ReduceOp.MAX, group=groups.pipeline)
+    for flag in flags:
+        flag.copy_(found)

@@ -346,10 +346,9 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
                 with optimizer.skip_synchronize() if not reduce_after else contextlib.nullcontext():
                     if not scaler.is_enabled():
                         guard.step(optimizer, grad_norm)
-                    elif layout is not None and pipeline.any_nonfinite(model, groups):
-                        # fp16: a stage that found no inf must skip too; every stage backs off alike
-                        scaler.update(new_scale=scaler.get_scale() * scaler.get_backoff_factor())
                     else:
+                        if layout is not None:  # a stage that found no inf skips too, as the whole model would
+                            pipeline.share_found_inf(scaler, optimizer, groups)
                         scaler.step(optimizer)
                         scaler.update()
                 distributed.zero_grad(optimizer)

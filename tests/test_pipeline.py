@@ -95,11 +95,37 @@ def test_two_stages_by_two_copies_train_like_two_copies(case, two_by_two, two_co
     assert pipelined[0]["reduced_in_backward"] == case.endswith("hooks")
 
 
+def unsplit_fp16_skips(steps: int = 4, inf_step: int = 2) -> list:
+    """What the one GradScaler of the unsplit model does in the steps of the worker's fp16_skips."""
+    from workers.pipeline_step import FP16_SCALER
+    p = torch.nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.SGD([p], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", **FP16_SCALER)
+    states = []
+    for step in range(steps):
+        weights = torch.ones(3)
+        if step == inf_step:
+            weights[0] = float("inf")
+        scaler.scale((p * weights).sum()).backward()
+        before = p.detach().clone()
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        states.append({**scaler.state_dict(), "stepped": not torch.equal(before, p.detach())})
+        optimizer.zero_grad()
+    return states
+
+
 @pytest.mark.workers
 @pytest.mark.parametrize("case", TWO_BY_TWO)
-def test_inf_on_the_last_stage_is_seen_by_the_first(case, two_by_two):
-    result, _ = read_case(two_by_two / case)  # rank 0: first stage
-    assert result["nonfinite"] == [False, True]
+def test_fp16_inf_on_the_last_stage_skips_every_stage_as_the_unsplit_scaler_does(case, two_by_two):
+    """Rank 0 (first stage) found no inf itself: it skips the step and backs off its scale, and
+    its growth count restarts, so the scale grows back when the unsplit one does."""
+    result, _ = read_case(two_by_two / case)
+    expected = unsplit_fp16_skips()
+    assert [s["stepped"] for s in expected] == [True, True, False, True]
+    assert expected[2]["_growth_tracker"] == 0 and expected[2]["scale"] == 512.0  # backed off, count restarted
+    assert result["scaler"] == expected
 
 
 @pytest.mark.workers

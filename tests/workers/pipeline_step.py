@@ -29,6 +29,8 @@ from hvdtrain.models import IGNORE_INDEX, Vocab, build_model, logits_and_labels
 N_LAYER, SEQ, VOCAB, MASK_ID = 4, 16, 128, 4
 GLOBAL_BATCH, MICROBATCHES, STEPS = 8, 4, 4
 LR, MAX_NORM, SEED = 1e-3, 0.5, 7
+# fp16 skips (fp16_skips): a growth interval the forced skip falls inside of
+FP16_SCALER = {"init_scale": 1024.0, "growth_interval": 3}
 
 
 def global_batch(arch: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +133,7 @@ def train_pipelined(case: str, layout: pipeline.Layout, groups: pipeline.Groups)
             optimizer.step()
         optimizer.zero_grad()
         result["losses"].append(hvd.allreduce(local, op=hvd.Sum, name="loss").item() / targets)
-    result["nonfinite"] = [nonfinite_seen(stage, layout, groups, inf_on_last) for inf_on_last in (False, True)]
+    result["scaler"] = fp16_skips(stage, layout, groups)
     stage.eval()
     ids, labels = global_batch(arch, 0)
     with torch.no_grad():
@@ -140,13 +142,26 @@ def train_pipelined(case: str, layout: pipeline.Layout, groups: pipeline.Groups)
     return result, stage
 
 
-def nonfinite_seen(stage, layout: pipeline.Layout, groups: pipeline.Groups, inf_on_last: bool) -> bool:
-    """any_nonfinite on this rank when the last stage alone holds an inf gradient (or none does)."""
-    p = next(stage.parameters())
-    p.grad = torch.full_like(p, float("inf")) if inf_on_last and layout.is_last else torch.zeros_like(p)
-    seen = pipeline.any_nonfinite(stage, groups)
-    p.grad = None
-    return seen
+def fp16_skips(stage, layout: pipeline.Layout, groups: pipeline.Groups, steps: int = 4, inf_step: int = 2) -> list:
+    """`steps` steps of a GradScaler (on copies of the stage's parameters, so the trained
+    ones stay as they are) where only the last stage finds inf, in step `inf_step`, stepped as
+    the training loop does: share_found_inf, then the scaler's step and update. Per step: this
+    rank's scaler state and whether its parameters changed."""
+    params = [p.detach().clone().requires_grad_() for p in stage.parameters()]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", **FP16_SCALER)
+    states = []
+    for step in range(steps):
+        weight = float("inf") if step == inf_step and layout.is_last else 1.0
+        scaler.scale(sum(p.sum() for p in params[1:]) + (params[0] * weight).sum()).backward()
+        before = [p.detach().clone() for p in params]
+        scaler.unscale_(optimizer)
+        pipeline.share_found_inf(scaler, optimizer, groups)
+        scaler.step(optimizer)
+        scaler.update()
+        states.append({**scaler.state_dict(), "stepped": any(not torch.equal(b, p) for b, p in zip(before, params))})
+        optimizer.zero_grad()
+    return states
 
 
 def main():
