@@ -349,8 +349,7 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
                     else:
                         if layout is not None:  # a stage that found no inf skips too, as the whole model would
                             pipeline.share_found_inf(scaler, optimizer, groups)
-                        scaler.step(optimizer)
-                        scaler.update()
+                        guard.scaler_step(scaler, optimizer)
                 distributed.zero_grad(optimizer)
             state.step += 1
             state.position += global_batch

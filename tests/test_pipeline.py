@@ -101,7 +101,7 @@ def unsplit_fp16_skips(steps: int = 4, inf_step: int = 2) -> list:
     p = torch.nn.Parameter(torch.zeros(3))
     optimizer = torch.optim.SGD([p], lr=0.1)
     scaler = torch.amp.GradScaler("cpu", **FP16_SCALER)
-    states = []
+    states, in_a_row = [], 0
     for step in range(steps):
         weights = torch.ones(3)
         if step == inf_step:
@@ -111,7 +111,8 @@ def unsplit_fp16_skips(steps: int = 4, inf_step: int = 2) -> list:
         scaler.unscale_(optimizer)
         scaler.step(optimizer)
         scaler.update()
-        states.append({**scaler.state_dict(), "stepped": not torch.equal(before, p.detach())})
+        in_a_row = in_a_row + 1 if step == inf_step else 0
+        states.append({**scaler.state_dict(), "stepped": not torch.equal(before, p.detach()), "in_a_row": in_a_row})
         optimizer.zero_grad()
     return states
 
@@ -119,8 +120,8 @@ def unsplit_fp16_skips(steps: int = 4, inf_step: int = 2) -> list:
 @pytest.mark.workers
 @pytest.mark.parametrize("case", TWO_BY_TWO)
 def test_fp16_inf_on_the_last_stage_skips_every_stage_as_the_unsplit_scaler_does(case, two_by_two):
-    """Rank 0 (first stage) found no inf itself: it skips the step and backs off its scale, and
-    its growth count restarts, so the scale grows back when the unsplit one does."""
+    """Rank 0 (first stage) found no inf itself: it skips the step, counts it and backs off its
+    scale, and its growth count restarts, so the scale grows back when the unsplit one does."""
     result, _ = read_case(two_by_two / case)
     expected = unsplit_fp16_skips()
     assert [s["stepped"] for s in expected] == [True, True, False, True]

@@ -35,8 +35,9 @@ def test_a_signal_to_rank_1_checkpoints_every_rank_and_the_rerun_equals_a_straig
     assert_same_params(load_params(straight, 0), load_params(preempted, 0))
 
 
-def test_a_non_finite_step_is_skipped_and_counted(tmp_path, tiny_config):
-    config = tiny_config({"train": {"max_steps": 6}})
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])  # fp16: the grad scaler skips it, the guard counts it
+def test_a_non_finite_step_is_skipped_and_counted(tmp_path, tiny_config, precision):
+    config = tiny_config({"train": {"max_steps": 6, "precision": precision}})
     out = tmp_path / "run"
     proc = horovodrun(2, [WORKERS / "inject_faults.py", config, f"out_dir={out}"],
                       env={"HVDTRAIN_TEST_NAN_STEPS": "2"})
@@ -48,8 +49,10 @@ def test_a_non_finite_step_is_skipped_and_counted(tmp_path, tiny_config):
     assert checkpoint.problem(checkpoint.newest_intact_checkpoint(out)) is None
 
 
-def test_too_many_non_finite_steps_in_a_row_stop_the_run(tmp_path, tiny_config):
-    config = tiny_config({"train": {"max_steps": 8, "max_bad_steps": 3}, "checkpoint": {"every": 1}})
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_too_many_non_finite_steps_in_a_row_stop_the_run(tmp_path, tiny_config, precision):
+    config = tiny_config({"train": {"max_steps": 8, "max_bad_steps": 3, "precision": precision},
+                          "checkpoint": {"every": 1}})
     out = tmp_path / "run"
     proc = horovodrun(2, [WORKERS / "inject_faults.py", config, f"out_dir={out}"],
                       env={"HVDTRAIN_TEST_NAN_STEPS": "2,3,4,5,6,7"})

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from hvdtrain import pipeline
 from hvdtrain.config import ModelConfig
 from hvdtrain.models import IGNORE_INDEX, Vocab, build_model, logits_and_labels
+from hvdtrain.run_control import NonFiniteGuard
 
 N_LAYER, SEQ, VOCAB, MASK_ID = 4, 16, 128, 4
 GLOBAL_BATCH, MICROBATCHES, STEPS = 8, 4, 4
@@ -145,11 +146,12 @@ def train_pipelined(case: str, layout: pipeline.Layout, groups: pipeline.Groups)
 def fp16_skips(stage, layout: pipeline.Layout, groups: pipeline.Groups, steps: int = 4, inf_step: int = 2) -> list:
     """`steps` steps of a GradScaler (on copies of the stage's parameters, so the trained
     ones stay as they are) where only the last stage finds inf, in step `inf_step`, stepped as
-    the training loop does: share_found_inf, then the scaler's step and update. Per step: this
-    rank's scaler state and whether its parameters changed."""
+    the training loop does: share_found_inf, then NonFiniteGuard.scaler_step. Per step: this
+    rank's scaler state, whether its parameters changed, and the guard's streak."""
     params = [p.detach().clone().requires_grad_() for p in stage.parameters()]
     optimizer = torch.optim.SGD(params, lr=0.1)
     scaler = torch.amp.GradScaler("cpu", **FP16_SCALER)
+    guard = NonFiniteGuard(torch.device("cpu"), max_bad_steps=10)
     states = []
     for step in range(steps):
         weight = float("inf") if step == inf_step and layout.is_last else 1.0
@@ -157,9 +159,9 @@ def fp16_skips(stage, layout: pipeline.Layout, groups: pipeline.Groups, steps: i
         before = [p.detach().clone() for p in params]
         scaler.unscale_(optimizer)
         pipeline.share_found_inf(scaler, optimizer, groups)
-        scaler.step(optimizer)
-        scaler.update()
-        states.append({**scaler.state_dict(), "stepped": any(not torch.equal(b, p) for b, p in zip(before, params))})
+        guard.scaler_step(scaler, optimizer)
+        states.append({**scaler.state_dict(), "stepped": any(not torch.equal(b, p) for b, p in zip(before, params)),
+                       "in_a_row": guard.in_a_row.item()})
         optimizer.zero_grad()
     return states
 
