@@ -9,8 +9,12 @@ command resumes exactly.
 Non-finite steps: a step whose gradient norm is inf or NaN (a loss spike, a bad batch) is
 skipped and counted; with fp16 the grad scaler skips it (and backs off its scale), and it is
 counted alike. On a GPU with fused AdamW or LAMB the skip is decided on the device (the
-optimizer's `found_inf`), so the check adds no synchronisation; the counts are read at log
-points. After `train.max_bad_steps` in a row the run stops.
+optimizer's `found_inf`), so the skip adds no synchronisation; the count of the interval is
+read at log points. After `train.max_bad_steps` in a row the run stops, at the step the streak
+reaches it whatever log.every is: the streak is read in the next step, once its gradients are
+reduced (the device has finished the step before by then, so the read waits for nothing), and
+before a checkpoint. Every rank reads the same streak (the gradients are reduced), so all stop
+at the same step.
 
 Stalled workers: a worker that stops taking part (stuck in I/O, a deadlock, SIGSTOP) leaves the
 others waiting in their next collective for ever; Horovod's own stall check cannot end that,
@@ -108,14 +112,19 @@ class NonFiniteGuard:
         scaler.step(optimizer)
         scaler.update()
 
-    def interval(self, step: int) -> dict:
-        """Read at a log point: the steps skipped since the last one; stops a diverged run."""
-        skipped, in_a_row = int(self.skipped.item()), int(self.in_a_row.item())
-        self.skipped.zero_()
+    def check(self, step: int):
+        """Stop the run when the steps up to `step` were skipped max_bad_steps times in a row
+        (reads the streak: call it where the device has finished that step anyway)."""
+        in_a_row = int(self.in_a_row.item())
         if in_a_row >= self.max_bad_steps:
             raise RunStopped(f"the gradients were not finite in the last {in_a_row} steps up to step {step} "
                              f"(train.max_bad_steps={self.max_bad_steps}); the run stops without writing a "
                              f"checkpoint from them: lower train.lr or check the data", DIVERGED_EXIT_CODE)
+
+    def interval(self) -> dict:
+        """Read at a log point: the steps skipped since the last one."""
+        skipped = int(self.skipped.item())
+        self.skipped.zero_()
         return {"skipped_steps": skipped}
 
 

@@ -338,6 +338,7 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
                 if layout is not None:
                     pipeline.allreduce_tied_grads(model, groups)
                 global_targets, stop = normalizer.finish(model)
+            guard.check(state.step)  # the streak up to the step before: the device has finished it
             with timer.phase("optimizer"):
                 scaler.unscale_(optimizer)
                 max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
@@ -366,7 +367,7 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
                 local = torch.stack(step_losses).double().cpu().tolist()
                 per_step = [s / n for s, n in zip(distributed.allreduce_sum(local, name="loss"), step_targets)]
                 per_rank = distributed.allgather_floats(means + [step_time], name="timings")
-                skipped = guard.interval(done)  # every rank: a diverged run stops everywhere at once
+                skipped = guard.interval()
                 if log is not None:
                     breakdown = (metrics.summarize_ranks(per_rank, cfg.log.imbalance_threshold,
                                                            layout.dp if layout else None)
@@ -384,6 +385,8 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
                 timer.reset()  # evaluation time is not training step time
                 watchdog.progress(done)
             checkpoint_due = (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == last_step or stop
+            if checkpoint_due:  # no checkpoint of a streak's end that stops the run
+                guard.check(done)
             if commit is not None and (done % cfg.elastic.commit_every == 0 or checkpoint_due):
                 commit()  # in memory; raises when workers were added or lost (elastic jobs only)
             if checkpoint_due:
