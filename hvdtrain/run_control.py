@@ -12,9 +12,9 @@ counted alike. On a GPU with fused AdamW or LAMB the skip is decided on the devi
 optimizer's `found_inf`), so the skip adds no synchronisation; the count of the interval is
 read at log points. After `train.max_bad_steps` in a row the run stops, at the step the streak
 reaches it whatever log.every is: the streak is read in the next step, once its gradients are
-reduced (the device has finished the step before by then, so the read waits for nothing), and
-before a checkpoint. Every rank reads the same streak (the gradients are reduced), so all stop
-at the same step.
+reduced (the device has finished the step before by then: the read waits only for the
+normalisation just queued), and before a checkpoint. Every rank reads the same streak (the
+gradients are reduced), so all stop at the same step.
 
 Stalled workers: a worker that stops taking part (stuck in I/O, a deadlock, SIGSTOP) leaves the
 others waiting in their next collective for ever; Horovod's own stall check cannot end that,
