@@ -66,8 +66,10 @@ def load_pretrained(cfg: ModelConfig, seq_len: int) -> torch.nn.Module:
 
     auto = AutoModelForCausalLM if cfg.arch == "gpt2" else AutoModelForMaskedLM
     try:
-        # Weights from safetensors only: a pickled pytorch_model.bin can run code when loaded.
-        model = auto.from_pretrained(cfg.pretrained, attn_implementation="sdpa", use_safetensors=True)
+        # Weights from safetensors only: a pickled pytorch_model.bin can run code when loaded;
+        # and no Python code from the folder or the hub (a config's auto_map).
+        model = auto.from_pretrained(cfg.pretrained, attn_implementation="sdpa", use_safetensors=True,
+                                     trust_remote_code=False)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"model.pretrained '{cfg.pretrained}': could not load ({first})") from None
