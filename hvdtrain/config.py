@@ -90,6 +90,8 @@ class TrainConfig:
 
 @dataclass
 class HorovodConfig:
+    # Gradients sent as fp16 and turned back (Horovod's Compression.fp16), with either
+    # parallel.reduce_gradients; so is gradient_predivide_factor applied.
     compression: Literal["none", "fp16"] = "none"
     op: Literal["average", "adasum", "sum"] = "average"
     gradient_predivide_factor: float = 1.0

@@ -332,7 +332,9 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
             #    (with pipeline stages: the tied embedding summed between the ends, one norm over all stages)
             with timer.phase("allreduce"):
                 if reduce_after:
-                    pipeline.allreduce_grads_after(model.parameters(), groups, distributed.reduce_op(cfg.horovod))
+                    pipeline.allreduce_grads_after(model.parameters(), groups, distributed.reduce_op(cfg.horovod),
+                                                   distributed.compression(cfg.horovod),
+                                                   cfg.horovod.gradient_predivide_factor)
                 else:
                     optimizer.synchronize()
                 if layout is not None:

@@ -95,6 +95,19 @@ def test_two_stages_by_two_copies_train_like_two_copies(case, two_by_two, two_co
     assert pipelined[0]["reduced_in_backward"] == case.endswith("hooks")
 
 
+@pytest.mark.workers
+def test_the_reduction_after_the_pipeline_applies_compression_and_predivide(two_by_two):
+    """Two copies of each stage send [1/3, 1e-3] and [2/3, 2e-3] (then 40000 each): the average is
+    [0.5, 1.5e-3]. fp16 compression rounds it (and overflows the sum of 80000, unless predivided
+    by 2); a predivide factor gives the same average."""
+    result, _ = read_case(two_by_two / "gpt2-gpipe-after")
+    reduced = result["after_reduction"]
+    assert reduced["none"] == pytest.approx([0.5, 1.5e-3], rel=1e-6)
+    assert reduced["fp16"] != reduced["none"] and reduced["fp16"] == pytest.approx([0.5, 1.5e-3], rel=1e-3)
+    assert reduced["predivided"] == pytest.approx(reduced["none"], rel=1e-6)
+    assert reduced["fp16_big"] == [float("inf")] and reduced["fp16_big_predivided"] == [40000.0]
+
+
 def unsplit_fp16_skips(steps: int = 4, inf_step: int = 2) -> list:
     """What the one GradScaler of the unsplit model does in the steps of the worker's fp16_skips."""
     from workers.pipeline_step import FP16_SCALER

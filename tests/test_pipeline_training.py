@@ -75,6 +75,20 @@ def test_two_stages_times_two_copies_equal_two_copies(tmp_path, tiny_config):
     assert_close_params(load_params(dp2, 0), whole_model(grid, [0, 2]))
 
 
+def test_the_reduction_after_the_pipeline_takes_horovod_compression(tmp_path, tiny_config):
+    """parallel.reduce_gradients=after with horovod.compression=fp16: the gradients travel as
+    fp16, so the run differs from the uncompressed one, within fp16's rounding."""
+    config = tiny_config(PIPE)
+    params = {}
+    for compression in ("none", "fp16"):
+        out = tmp_path / compression
+        train_workers(2, config, f"out_dir={out}", "parallel.pipeline_stages=2", "parallel.reduce_gradients=after",
+                      f"horovod.compression={compression}")
+        params[compression] = whole_model(out, [0, 1])
+    assert any(not torch.equal(params["none"][k], params["fp16"][k]) for k in params["none"])
+    assert_close_params(params["none"], params["fp16"], atol=1e-3)
+
+
 def test_resume_with_another_layout_equals_a_straight_run(tmp_path, tiny_config):
     """Stop at step 4 with 2 stages, go on to 6 with one worker, then to 8 with 2 stages again."""
     config = tiny_config({**PIPE, "train": {**PIPE["train"], "max_steps": 8}, "checkpoint": {"every": 2}})

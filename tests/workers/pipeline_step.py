@@ -135,6 +135,7 @@ def train_pipelined(case: str, layout: pipeline.Layout, groups: pipeline.Groups)
         optimizer.zero_grad()
         result["losses"].append(hvd.allreduce(local, op=hvd.Sum, name="loss").item() / targets)
     result["scaler"] = fp16_skips(stage, layout, groups)
+    result["after_reduction"] = after_reduction(layout, groups)
     stage.eval()
     ids, labels = global_batch(arch, 0)
     with torch.no_grad():
@@ -164,6 +165,23 @@ def fp16_skips(stage, layout: pipeline.Layout, groups: pipeline.Groups, steps: i
                        "in_a_row": guard.in_a_row.item()})
         optimizer.zero_grad()
     return states
+
+
+def after_reduction(layout: pipeline.Layout, groups: pipeline.Groups) -> dict:
+    """allreduce_grads_after among the copies of this stage of gradients that differ by copy,
+    with horovod.compression and gradient_predivide_factor as the training loop passes them.
+    `thirds` round in fp16; `big` (40000 a copy) overflows an fp16 sum of two copies."""
+    def reduced(values, **options) -> list[float]:
+        p = torch.nn.Parameter(torch.zeros(len(values)))
+        p.grad = torch.tensor(values)
+        pipeline.allreduce_grads_after([p], groups, hvd.Average, **options)
+        return p.grad.tolist()
+
+    thirds, big, fp16 = [(1 + layout.dp_rank) / 3, 1e-3 * (1 + layout.dp_rank)], [40000.0], hvd.Compression.fp16
+    return {"none": reduced(thirds), "fp16": reduced(thirds, compression=fp16),
+            "predivided": reduced(thirds, gradient_predivide_factor=4.0),
+            "fp16_big": reduced(big, compression=fp16),
+            "fp16_big_predivided": reduced(big, compression=fp16, gradient_predivide_factor=2.0)}
 
 
 def main():
