@@ -257,9 +257,9 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
     resolved = {"world_size": world.size, "grad_accum": grad_accum, "global_batch": global_batch, "peak_lr": peak_lr}
     if pipe is not None:
         m = pipe.n_microbatches
-        resolved["pipeline"] = (f"{par.schedule}, {m} micro batches per run, ideal bubble "
-                                f"{pipeline.ideal_bubble(layout.stages, m):.0%}, gradients reduced "
-                                f"{'after' if reduce_after else 'during'} the pipeline's backward")
+        bubble = pipeline.ideal_bubble(layout.stages, m, layout.stages_per_rank)
+        resolved["pipeline"] = (f"{par.schedule}, {m} micro batches per run, ideal bubble {bubble:.0%}, gradients "
+                                f"reduced {'after' if reduce_after else 'during'} the pipeline's backward")
     log = open_run_folder(cfg, world, data, model, state, resume_from, resolved)
     for event in events:
         if log is not None:

@@ -215,6 +215,20 @@ def test_even_split_counts_embedding_and_head_as_layers(n_layer, stages, per_ran
     assert pipeline.stage_bounds(n_layer, stages, per_rank) == bounds
 
 
+@pytest.mark.parametrize("stages,microbatches,per_rank,expected", [
+    (2, 4, 1, 1 / 5),    # (p-1)/(m+p-1)
+    (4, 8, 1, 3 / 11),
+    (2, 4, 2, 1 / 9),    # interleaved: (p-1)/(v·m+p-1)
+    (4, 8, 2, 3 / 19),
+    (4, 8, 4, 3 / 35),
+])
+def test_ideal_bubble(stages, microbatches, per_rank, expected):
+    bubble = pipeline.ideal_bubble(stages, microbatches, per_rank)
+    assert bubble == pytest.approx(expected)
+    # Megatron-LM's bubble time fraction, idle over working time: (1/v)·(p-1)/m
+    assert bubble / (1 - bubble) == pytest.approx((stages - 1) / (per_rank * microbatches))
+
+
 def test_explicit_boundaries():
     assert pipeline.stage_bounds(6, 3, boundaries=[0, 1, 4, 6]) == [0, 1, 4, 6]
     assert pipeline.stage_bounds(4, 2, boundaries=[0, 0, 4]) == [0, 0, 4]  # embedding alone

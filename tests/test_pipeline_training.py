@@ -75,6 +75,14 @@ def test_two_stages_times_two_copies_equal_two_copies(tmp_path, tiny_config):
     assert_close_params(load_params(dp2, 0), whole_model(grid, [0, 2]))
 
 
+def test_the_start_up_line_gives_the_interleaved_bubble(tmp_path, tiny_config):
+    """2 ranks x 2 stages each, 4 micro batches: (p-1)/(v·m+p-1) = 1/9, not 1F1B's 1/5."""
+    proc = hvdtrain("launch", "-np", "2", tiny_config(PIPE), f"out_dir={tmp_path / 'run'}", "train.max_steps=1",
+                    "parallel.pipeline_stages=2", "parallel.schedule=interleaved1f1b", "parallel.stages_per_rank=2")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "on stage 0 of 2 (interleaved1f1b, 4 micro batches per run, ideal bubble 11%," in proc.stdout, proc.stdout
+
+
 def test_the_reduction_after_the_pipeline_takes_horovod_compression(tmp_path, tiny_config):
     """parallel.reduce_gradients=after with horovod.compression=fp16: the gradients travel as
     fp16, so the run differs from the uncompressed one, within fp16's rounding."""
