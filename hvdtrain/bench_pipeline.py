@@ -176,7 +176,7 @@ def run_pipeline_bench(args) -> int:
     slot, intercept = fit_slot_time(ms, [r["time_pipeline"] for r in rows])
     for r in rows:
         m = r["microbatches"]
-        r["ideal_bubble"] = ideal_bubble(p, m)
+        r["ideal_bubble"] = ideal_bubble(p, m, cfg.parallel.stages_per_rank)
         r["measured_bubble"] = measured_bubble(m, slot, r["time_pipeline"])
         r["peak_vs_unsplit"] = [peak / max(reference["peak_bytes"]) for peak in r["peak_bytes"]]
     result = {"config": config, "overrides": overrides, "stages": p, "schedule": schedule,

@@ -82,7 +82,8 @@ class TrainConfig:
     seed: int = 1234
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping off
-    # Steps with inf/NaN gradients are skipped and counted; this many in a row stop the run.
+    # Steps with inf/NaN gradients are skipped (with fp16: by the grad scaler) and counted; this
+    # many in a row stop the run, at the step the streak reaches it (not only at log points).
     max_bad_steps: int = 10
     # Testing aid: seconds of extra sleep per optimizer step on the ranks listed in slow_ranks.
     slow_ranks: list[int] = field(default_factory=list)
@@ -91,6 +92,8 @@ class TrainConfig:
 
 @dataclass
 class HorovodConfig:
+    # Gradients sent as fp16 and turned back (Horovod's Compression.fp16), with either
+    # parallel.reduce_gradients; so is gradient_predivide_factor applied.
     compression: Literal["none", "fp16"] = "none"
     op: Literal["average", "adasum", "sum"] = "average"
     gradient_predivide_factor: float = 1.0

@@ -112,6 +112,8 @@ def start_timeline(path: Path):
 
 
 def stop_timeline():
+    """Waits for no other rank (the coordinator closes the file), so clean-up after a failure
+    may call it."""
     hvd.stop_timeline()
 
 
@@ -134,19 +136,22 @@ def reduce_op(cfg: HorovodConfig):
     return {"average": hvd.Average, "sum": hvd.Sum}[cfg.op]
 
 
+def compression(cfg: HorovodConfig):
+    """horovod.compression as Horovod's Compression class."""
+    return hvd.Compression.fp16 if cfg.compression == "fp16" else hvd.Compression.none
+
+
 def wrap_optimizer(optimizer, model, cfg: HorovodConfig, backward_passes_per_step: int, process_set=None):
     """hvd.DistributedOptimizer: allreduce starts from backward hooks as each gradient is ready.
 
     backward_passes_per_step = gradient accumulation steps, so the allreduce fires once per
     optimizer step, after the last micro batch, not once per micro batch. With pipeline stages
     `process_set` holds the copies of this worker's stage, and only they reduce together."""
-    compression = hvd.Compression.fp16 if cfg.compression == "fp16" else hvd.Compression.none
-    op = reduce_op(cfg)
     return hvd.DistributedOptimizer(
         optimizer,
         named_parameters=model.named_parameters(),
-        compression=compression,
-        op=op,
+        compression=compression(cfg),
+        op=reduce_op(cfg),
         gradient_predivide_factor=cfg.gradient_predivide_factor,
         backward_passes_per_step=backward_passes_per_step,
         **({"process_set": process_set} if process_set is not None else {}),

@@ -43,9 +43,13 @@ def load_checkpoint_model(ckpt: Path):
 
     from hvdtrain import checkpoint
 
-    config = AutoConfig.from_pretrained(ckpt)
+    # No Python code from the folder: a config.json with auto_map is read as data only.
+    try:
+        config = AutoConfig.from_pretrained(ckpt, trust_remote_code=False)
+    except ValueError as e:  # e.g. a model type only the folder's own code would build
+        raise UserError(f"'{ckpt}': could not read config.json ({' '.join(str(e).split())})") from None
     auto = AutoModelForMaskedLM if config.model_type == "bert" else AutoModelForCausalLM
-    model = auto.from_config(config)
+    model = auto.from_config(config, trust_remote_code=False)
     checkpoint.load_weights(model, ckpt)
     return model
 

@@ -8,22 +8,36 @@ from hvdtrain.errors import UserError
 
 
 def check_model_dir(path: str):
-    """A Hugging Face folder with safetensors weights: a pickled pytorch_model.bin is never loaded
-    (unpickling can run code)."""
-    if not (Path(path) / "config.json").is_file():
+    """A Hugging Face folder whose weights are model.safetensors (or its shards' index): a
+    pickled pytorch_model.bin next to them is never loaded (unpickling can run code)."""
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
         raise UserError(f"'{path}' is not a model folder (no config.json); export one with `hvdtrain export`")
-    if not list(Path(path).glob("*.safetensors")):
-        raise UserError(f"'{path}' has no .safetensors weights; hvdtrain does not load pickled weights")
+    if not any((folder / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
+        raise UserError(f"'{path}' has no model.safetensors; hvdtrain does not load pickled weights")
+
+
+def load_model_dir(path: str, auto_class):
+    """(model, tokenizer) of a model folder: weights from safetensors only and no Python code
+    from the folder (trust_remote_code=False: a config's auto_map neither prompts nor runs)."""
+    from transformers import AutoTokenizer
+
+    check_model_dir(path)
+    try:  # the model first: a config that needs the folder's code stops here, before the tokenizer reads it
+        model = auto_class.from_pretrained(path, use_safetensors=True, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"'{path}': could not load the model ({first})") from None
+    return model.eval(), tokenizer
 
 
 def run_generate(args) -> int:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    check_model_dir(args.model)
+    model, tokenizer = load_model_dir(args.model, AutoModelForCausalLM)
     torch.manual_seed(args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, use_safetensors=True).eval()
     inputs = tokenizer(args.prompt, return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=True, top_k=args.top_k,
@@ -33,10 +47,10 @@ def run_generate(args) -> int:
 
 
 def run_fill_mask(args) -> int:
-    from transformers import pipeline
+    from transformers import AutoModelForMaskedLM, pipeline
 
-    check_model_dir(args.model)
-    fill = pipeline("fill-mask", model=args.model, tokenizer=args.model)
+    model, tokenizer = load_model_dir(args.model, AutoModelForMaskedLM)
+    fill = pipeline("fill-mask", model=model, tokenizer=tokenizer, trust_remote_code=False)
     if fill.tokenizer.mask_token not in args.text:
         raise UserError(f"the text must contain the mask token {fill.tokenizer.mask_token}")
     for guess in fill(args.text, top_k=args.top_k):

@@ -23,7 +23,7 @@ ratio (adam_w_mode=True), eps outside the square root; its clipping to a global 
 of 1.0 is train.grad_clip here, applied before the step.
 
 A step with non-finite gradients is skipped on the device, as fused AdamW skips one: when
-`found_inf` (set by hvdtrain's NonFiniteGuard, or by a GradScaler) is 1, the step changes
+`found_inf` (set by hvdtrain's NonFiniteGuard, or by a GradScaler) is not 0, the step changes
 neither the parameters nor the moments nor the step count, with no read of the flag on the
 host, so a GPU step does not wait for it.
 
@@ -57,8 +57,9 @@ class Lamb(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p)
                 grad = p.grad if self.grad_scale is None else p.grad / self.grad_scale
                 # take = 1, or 0 for a skipped step: the moments then keep their values
-                # (beta 1, nothing added) and so do the step count and the parameter.
-                take = 1.0 if self.found_inf is None else 1.0 - self.found_inf.to(p.device, torch.float32)
+                # (beta 1, nothing added) and so do the step count and the parameter. A
+                # GradScaler's found_inf is a sum over devices, so any non-zero value skips.
+                take = 1.0 if self.found_inf is None else (self.found_inf.to(p.device) == 0).float()
                 if self.found_inf is not None:
                     grad = torch.where(take > 0, grad, 0.0)  # inf or NaN times 0 would still be NaN
                 state["step"] = state["step"].to(p.device)  # a resumed state has it on the CPU
@@ -66,6 +67,10 @@ class Lamb(torch.optim.Optimizer):
                 m, v = state["exp_avg"], state["exp_avg_sq"]
                 m.mul_(1 - (1 - beta1) * take).add_(grad, alpha=1 - beta1)
                 v.mul_(1 - (1 - beta2) * take).addcmul_(grad, grad, value=1 - beta2)
+                # A skipped first step leaves t = 0, where the bias corrections 1 - beta^0 would be
+                # 0 and the update 0/0 = NaN, which no factor 0 removes. With m = v = 0 the update is
+                # 0 for any t >= 1, so the corrections take t >= 1.
+                t = t.clamp(min=1)
                 update = (m / (1 - beta1 ** t)) / ((v / (1 - beta2 ** t)).sqrt_().add_(group["eps"]))
                 if group["weight_decay"] == 0:  # no decay, no trust ratio (FusedLAMB, use_nvlamb=False)
                     p.sub_(update * (group["lr"] * take))

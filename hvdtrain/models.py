@@ -66,8 +66,10 @@ def load_pretrained(cfg: ModelConfig, seq_len: int) -> torch.nn.Module:
 
     auto = AutoModelForCausalLM if cfg.arch == "gpt2" else AutoModelForMaskedLM
     try:
-        # Weights from safetensors only: a pickled pytorch_model.bin can run code when loaded.
-        model = auto.from_pretrained(cfg.pretrained, attn_implementation="sdpa", use_safetensors=True)
+        # Weights from safetensors only: a pickled pytorch_model.bin can run code when loaded;
+        # and no Python code from the folder or the hub (a config's auto_map).
+        model = auto.from_pretrained(cfg.pretrained, attn_implementation="sdpa", use_safetensors=True,
+                                     trust_remote_code=False)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"model.pretrained '{cfg.pretrained}': could not load ({first})") from None
@@ -179,8 +181,8 @@ LOSS_CHUNK_ELEMENTS = 2 ** 26
 def token_loss_sum(model, batch: dict, chunk_elements: int = LOSS_CHUNK_ELEMENTS) -> torch.Tensor:
     """Sum of the token cross-entropies over the labelled positions of `batch` (fp32 scalar).
 
-    The same numbers as cross_entropy(logits.float(), labels, reduction="sum") on the logits
-    of logits_and_labels, without holding those logits: see LinearCrossEntropySum."""
+    The same numbers, to fp32 rounding, as cross_entropy(logits.float(), labels, reduction="sum")
+    on the logits of logits_and_labels, without holding those logits: see LinearCrossEntropySum."""
     if switch("HVDTRAIN_LOSS") == "logits":
         logits, labels = logits_and_labels(model, batch)
         return torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX,
@@ -278,8 +280,9 @@ def _chunked_forward(x, weight, bias, targets, rows, dtype, chunk, grads: bool):
             grad_w.add_(grad.t() @ (xs * keep))
             if grad_b is not None:
                 grad_b.add_((keep.t() @ grad).squeeze(0))
-        # The sum as cross_entropy(..., reduction="sum") adds up the whole batch's -log p(target):
-        # the same kernel over the same values in the same order, so fp32 gives the same bits.
+        # The sum as cross_entropy(..., reduction="sum") adds up the whole batch's -log p(target)
+        # with the same kernel; the values equal the whole batch's to fp32 rounding only (a chunk's
+        # matmul may round differently from the whole batch's, depending on the CPU's kernels).
         column = torch.where(targets != IGNORE_INDEX, 0, IGNORE_INDEX).to(targets.dtype)
         loss = torch.nn.functional.nll_loss(picked.unsqueeze(1), column, ignore_index=IGNORE_INDEX, reduction="sum")
     return loss, grad_x, grad_w, grad_b

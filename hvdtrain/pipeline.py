@@ -30,6 +30,7 @@ so each stage can write its part of a checkpoint and any layout can read it back
 """
 import os
 import socket
+import sys
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -135,7 +136,12 @@ def open_groups(layout: Layout, backend: str) -> Groups:
     with Horovod. The store's host is MASTER_ADDR if set, else the host name horovodrun gave
     rank 0 (HOROVOD_HOSTNAME), else this machine's name; other hosts must reach it by that name."""
     world_size = hvd.size()
+    # init_process_group installs an excepthook that writes "[rankN]: " before every line of a
+    # traceback; horovodrun already tags each line with its rank, and hvdtrain.relay must see
+    # the traceback as the worker's Python printed it to show it.
+    excepthook = sys.excepthook
     dist.init_process_group(backend, store=_rendezvous_store(), rank=hvd.rank(), world_size=world_size)
+    sys.excepthook = excepthook
     # dist.new_group and hvd.add_process_set are collective: every rank makes every group, same order.
     pipeline = tied = None
     for d in range(layout.dp):
@@ -384,16 +390,28 @@ def broadcast_stage(stage: StageModule, layout: Layout, groups: Groups):
         hvd.synchronize(handle)
 
 
-def allreduce_grads_after(params, groups: Groups, op=None):
+def allreduce_grads_after(params, groups: Groups, op=None, compression=None, gradient_predivide_factor: float = 1.0):
     """Reduce the gradients of this stage's copies in one grouped Horovod allreduce, after the
     pipeline step. The mode for a plain (not Distributed) optimizer: no collective runs while
-    the pipeline's send/recv do, which NCCL needs to be safe. op: hvd.Average by default."""
+    the pipeline's send/recv do, which NCCL needs to be safe. op: hvd.Average by default.
+
+    `compression` (hvd.Compression.fp16: sent as fp16) and `gradient_predivide_factor` f
+    (horovod.compression and horovod.gradient_predivide_factor) work as in
+    hvd.DistributedOptimizer: with Average each copy's gradient is divided by f before the sum
+    and the sum multiplied by f / copies after it, which keeps an fp16 sum from overflowing."""
+    op = hvd.Average if op is None else op
+    compression = hvd.Compression.none if compression is None else compression
     params = [p for p in params if p.requires_grad]
     for p in params:
         if p.grad is None:  # every copy must send the same list
             p.grad = torch.zeros_like(p)
-    hvd.grouped_allreduce_([p.grad for p in params], op=hvd.Average if op is None else op,
-                           name="pipeline.grads", process_set=groups.process_set)
+    compressed, contexts = zip(*[compression.compress(p.grad) for p in params])
+    scale = ({"prescale_factor": 1.0 / gradient_predivide_factor, "postscale_factor": gradient_predivide_factor}
+             if op == hvd.Average else {})
+    hvd.grouped_allreduce_(list(compressed), op=op, name="pipeline.grads", process_set=groups.process_set, **scale)
+    for p, sent, context in zip(params, compressed, contexts):
+        if sent is not p.grad:  # reduced in a compressed copy: back into the gradient
+            p.grad.copy_(compression.decompress(sent, context))
 
 
 def allreduce_tied_grads(stage: StageModule, groups: Groups):
@@ -424,11 +442,14 @@ def clip_grad_norm_(stage: StageModule, max_norm: float, groups: Groups) -> torc
     return total
 
 
-def any_nonfinite(stage: StageModule, groups: Groups) -> bool:
-    """Whether any stage of this pipeline has an inf or nan gradient, so that all stages skip
-    the same fp16 steps. Call after the data-parallel reduction (it spreads inf/nan to every copy)."""
-    flag = torch.zeros((), device=next(stage.parameters()).device)
-    for g in (p.grad for p in stage.parameters() if p.grad is not None):
-        flag = torch.maximum(flag, (~torch.isfinite(g)).any().float())
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=groups.pipeline)
-    return bool(flag.item())
+def share_found_inf(scaler: torch.amp.GradScaler, optimizer, groups: Groups):
+    """fp16: make the grad scaler of every stage of this pipeline see inf when any stage's
+    unscale_ found one, so that all stages skip the same steps and their scalers back off (and
+    restart their growth count) as the unsplit model's one scaler does. The scaler's own flags
+    are replaced in place by their maximum along the pipeline: no host read. Call after
+    scaler.unscale_ and after the data-parallel reduction (it spreads inf/nan to every copy)."""
+    flags = list(scaler._found_inf_per_device(optimizer).values())  # one per device, from unscale_
+    found = torch.stack(flags).amax()
+    dist.all_reduce(found, op=dist.ReduceOp.MAX, group=groups.pipeline)
+    for flag in flags:
+        flag.copy_(found)

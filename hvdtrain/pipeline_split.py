@@ -71,6 +71,10 @@ def check_schedule(name: str, stages: int, stages_per_rank: int, microbatches: i
                         f"with {stages} pipeline stages (torch's rounds of micro batches)")
 
 
-def ideal_bubble(stages: int, microbatches: int) -> float:
-    """The share of a GPipe/1F1B run each stage spends idle: (p-1)/(m+p-1)."""
-    return (stages - 1) / (microbatches + stages - 1)
+def ideal_bubble(stages: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    """The share of a run each rank spends idle: (p-1)/(m+p-1) for GPipe and 1F1B, and
+    (p-1)/(v·m+p-1) for interleaved 1F1B with v stages per rank, whose bubble takes (p-1)/v
+    micro batch slots, v times fewer, while the work stays m slots (Narayanan et al. 2021,
+    "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", section
+    2.2.2: bubble time fraction (1/v)·(p-1)/m)."""
+    return (stages - 1) / (stages_per_rank * microbatches + stages - 1)

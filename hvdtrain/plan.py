@@ -426,7 +426,7 @@ def pipeline_plan(cfg, stages: int, gpus: int, budget: float, net_gbps: float, l
     row = {"stages": stages, "stages_per_rank": v, "schedule": cfg.parallel.schedule if stages > 1 else None,
            **batches, "micro_batch": micro, "checkpointing": ckpt, "ranks": ranks, "largest_rank": largest["rank"],
            "largest": largest["total"], "fits": largest["total"] <= budget,
-           "bubble": ideal_bubble(stages, v * m), "step_s": None}
+           "bubble": ideal_bubble(stages, m, v), "step_s": None}
     if spf is None:
         return row
     tokens_micro = micro * cfg.data.seq_len

@@ -27,7 +27,9 @@ ONE_LINERS = (USER_ERROR, "hvdtrain: stopped: ", STALLED)  # cli.main's user err
 STALL_LINE = re.compile(re.escape(STALLED) + r"rank \d+ is (waiting for the others|stuck): ([^;]*); (.*)")
 TRACEBACK = "Traceback (most recent call last):"
 # What a worker reports when it stops because another worker failed first.
-ECHOES = ("Horovod has been shut down", "Horovod background loop uncaught exception")
+ECHOES = ("Horovod has been shut down", "Horovod background loop uncaught exception",
+          # torch.distributed's Gloo (the pipeline's sends and receives) when the peer has exited
+          "This is typically caused by a remote worker crashing")
 # Open MPI's shared-memory transport when the worker it was reading from has exited (ESRCH).
 MPI_PEER_GONE = re.compile(r"Read -1, expected \d+, errno = 3$")
 

@@ -7,9 +7,14 @@ same step boundary, write a checkpoint and exit with PREEMPTED_EXIT_CODE; rerunn
 command resumes exactly.
 
 Non-finite steps: a step whose gradient norm is inf or NaN (a loss spike, a bad batch) is
-skipped, as fp16's grad scaler skips one, and counted. On a GPU with fused AdamW or LAMB the
-skip is decided on the device (the optimizer's `found_inf`), so the check adds no
-synchronisation; the counts are read at log points. After `train.max_bad_steps` in a row the run stops.
+skipped and counted; with fp16 the grad scaler skips it (and backs off its scale), and it is
+counted alike. On a GPU with fused AdamW or LAMB the skip is decided on the device (the
+optimizer's `found_inf`), so the skip adds no synchronisation; the count of the interval is
+read at log points. After `train.max_bad_steps` in a row the run stops, at the step the streak
+reaches it whatever log.every is: the streak is read in the next step, once its gradients are
+reduced (the device has finished the step before by then: the read waits only for the
+normalisation just queued), and before a checkpoint. Every rank reads the same streak (the
+gradients are reduced), so all stop at the same step.
 
 Stalled workers: a worker that stops taking part (stuck in I/O, a deadlock, SIGSTOP) leaves the
 others waiting in their next collective for ever; Horovod's own stall check cannot end that,
@@ -75,16 +80,23 @@ class PreemptionSignal:
 
 
 class NonFiniteGuard:
+    """Skips (or sees skipped) the steps whose gradients are not finite, counts them on the
+    device, and stops the run after `max_bad_steps` of them in a row (see the module's notes)."""
+
     def __init__(self, device: torch.device, max_bad_steps: int):
         self.max_bad_steps = max_bad_steps
         self.skipped = torch.zeros((), device=device)  # in this log interval
         self.in_a_row = torch.zeros((), device=device)
 
+    def count(self, bad: torch.Tensor):
+        """`bad`: 1.0 when this step was skipped, else 0.0 (a device tensor: nothing is read)."""
+        self.skipped += bad
+        self.in_a_row = (self.in_a_row + bad) * bad
+
     def step(self, optimizer, grad_norm: torch.Tensor):
         """optimizer.step() unless the gradients are not finite."""
         bad = (~torch.isfinite(grad_norm)).float()
-        self.skipped += bad
-        self.in_a_row = (self.in_a_row + bad) * bad
+        self.count(bad)
         if getattr(optimizer, "_step_supports_amp_scaling", False) and bad.is_cuda:
             optimizer.found_inf = bad  # fused AdamW and LAMB skip the update on the device
             optimizer.step()
@@ -92,14 +104,27 @@ class NonFiniteGuard:
         elif not bad.item():  # on the CPU reading the flag costs nothing
             optimizer.step()
 
-    def interval(self, step: int) -> dict:
-        """Read at a log point: the steps skipped since the last one; stops a diverged run."""
-        skipped, in_a_row = int(self.skipped.item()), int(self.in_a_row.item())
-        self.skipped.zero_()
+    def scaler_step(self, scaler: torch.amp.GradScaler, optimizer):
+        """fp16: scaler.step() and update(), which skip the step and back off the scale when
+        unscale_ found inf or NaN in the gradients; the same flag counts the step as skipped."""
+        found_inf = scaler._found_inf_per_device(optimizer)  # per device, from unscale_, on the device
+        self.count((sum(found_inf.values()) > 0).float())
+        scaler.step(optimizer)
+        scaler.update()
+
+    def check(self, step: int):
+        """Stop the run when the steps up to `step` were skipped max_bad_steps times in a row
+        (reads the streak: call it where the device has finished that step anyway)."""
+        in_a_row = int(self.in_a_row.item())
         if in_a_row >= self.max_bad_steps:
             raise RunStopped(f"the gradients were not finite in the last {in_a_row} steps up to step {step} "
                              f"(train.max_bad_steps={self.max_bad_steps}); the run stops without writing a "
                              f"checkpoint from them: lower train.lr or check the data", DIVERGED_EXIT_CODE)
+
+    def interval(self) -> dict:
+        """Read at a log point: the steps skipped since the last one."""
+        skipped = int(self.skipped.item())
+        self.skipped.zero_()
         return {"skipped_steps": skipped}
 
 

@@ -268,9 +268,9 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
                 "batch": batch_layout(cfg, shards, global_batch, grad_accum)}
     if pipe is not None:
         m = pipe.n_microbatches
-        resolved["pipeline"] = (f"{par.schedule}, {m} micro batches per run, ideal bubble "
-                                f"{pipeline.ideal_bubble(layout.stages, m):.0%}, gradients reduced "
-                                f"{'after' if reduce_after else 'during'} the pipeline's backward")
+        bubble = pipeline.ideal_bubble(layout.stages, m, layout.stages_per_rank)
+        resolved["pipeline"] = (f"{par.schedule}, {m} micro batches per run, ideal bubble {bubble:.0%}, gradients "
+                                f"reduced {'after' if reduce_after else 'during'} the pipeline's backward")
     log = open_run_folder(cfg, world, data, model, state, resume_from, resolved)
     for event in events:
         if log is not None:
@@ -343,12 +343,15 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
             #    (with pipeline stages: the tied embedding summed between the ends, one norm over all stages)
             with timer.phase("allreduce"):
                 if reduce_after:
-                    pipeline.allreduce_grads_after(model.parameters(), groups, distributed.reduce_op(cfg.horovod))
+                    pipeline.allreduce_grads_after(model.parameters(), groups, distributed.reduce_op(cfg.horovod),
+                                                   distributed.compression(cfg.horovod),
+                                                   cfg.horovod.gradient_predivide_factor)
                 else:
                     optimizer.synchronize()
                 if layout is not None:
                     pipeline.allreduce_tied_grads(model, groups)
                 global_targets, stop = normalizer.finish(model)
+            guard.check(state.step)  # the streak up to the step before: the device has finished it
             with timer.phase("optimizer"):
                 scaler.unscale_(optimizer)
                 max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
@@ -357,12 +360,10 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
                 with optimizer.skip_synchronize() if not reduce_after else contextlib.nullcontext():
                     if not scaler.is_enabled():
                         guard.step(optimizer, grad_norm)
-                    elif layout is not None and pipeline.any_nonfinite(model, groups):
-                        # fp16: a stage that found no inf must skip too; every stage backs off alike
-                        scaler.update(new_scale=scaler.get_scale() * scaler.get_backoff_factor())
                     else:
-                        scaler.step(optimizer)
-                        scaler.update()
+                        if layout is not None:  # a stage that found no inf skips too, as the whole model would
+                            pipeline.share_found_inf(scaler, optimizer, groups)
+                        guard.scaler_step(scaler, optimizer)
                 distributed.zero_grad(optimizer)
             state.step += 1
             state.position += global_batch
@@ -373,13 +374,21 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
             done = state.step
             watchdog.progress(done)
 
-            # 4. log, evaluate, checkpoint; all ranks stop together when one was asked to
-            if done % cfg.log.every == 0 or done == last_step or stop:
+            # 4. log, evaluate, checkpoint, commit; all ranks stop together when one was asked to.
+            #    A checkpoint or an elastic commit is a log point too: a run that resumes there
+            #    finds the record of every step before (hvdtrain.run_log keeps those up to its start).
+            checkpoint_due = (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == last_step or stop
+            # Elastic jobs only: the in-memory commit, after the checkpoint, as it raises when the
+            # hosts changed; none at the step this run ends at (its last, a pause, a preemption),
+            # which has no steps left for new workers.
+            commit_due = (commit is not None and done < last_step and not stop
+                          and (done % cfg.elastic.commit_every == 0 or checkpoint_due))
+            if done % cfg.log.every == 0 or checkpoint_due or commit_due:
                 means, step_time = timer.interval()  # the steps only: logging below is not step time
                 local = torch.stack(step_losses).double().cpu().tolist()
                 per_step = [s / n for s, n in zip(distributed.allreduce_sum(local, name="loss"), step_targets)]
                 per_rank = distributed.allgather_floats(means + [step_time], name="timings")
-                skipped = guard.interval(done)  # every rank: a diverged run stops everywhere at once
+                skipped = guard.interval()
                 if log is not None:
                     breakdown = (metrics.summarize_ranks(per_rank, cfg.log.imbalance_threshold,
                                                            layout.dp if layout else None)
@@ -396,27 +405,23 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
                     log.eval_record({"step": done, **result})
                 timer.reset()  # evaluation time is not training step time
                 watchdog.progress(done)
-            checkpoint_due = (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == last_step or stop
             if checkpoint_due:
+                guard.check(done)  # a streak of bad steps that stops the run here gets no checkpoint
                 state.save()
                 timer.reset()
                 watchdog.progress(done)
-            # Elastic jobs only: the in-memory commit, after the checkpoint, as it raises when the
-            # hosts changed; none at the step this run ends at (its last, a pause, a preemption),
-            # which has no steps left for new workers.
-            if (commit is not None and done < last_step and not stop
-                    and (done % cfg.elastic.commit_every == 0 or checkpoint_due)):
+            if commit_due:
                 commit()
             if stop:
                 world.print(f"hvdtrain: preempted (a worker received a stop signal): checkpoint of step {done} "
                             f"written; run the same command again to continue")
                 mark_preempted(world)
                 raise RunStopped(f"preempted at step {done}", PREEMPTED_EXIT_CODE)
-    finally:  # also when a step fails: files closed, traces and timeline flushed, the collector back on
+    finally:  # also when a step fails: files closed, traces and timeline flushed, the collector back on.
+        # Nothing here waits for the other ranks: after a failure on this rank they are inside a
+        # step's collective and never come, and this rank must exit for its error to be shown.
         gc.enable()
         watchdog.close()
-        if groups is not None:
-            groups.close()
         preemption.close()
         profiler.close()
         if timeline is not None:
@@ -424,6 +429,8 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
         distributed.keep_autotune_log(cfg, world)
         if log is not None:
             log.close()
+    if groups is not None:  # collective: only once every rank has finished the last step
+        groups.close()
 
     if world.is_main:  # the whole model: with pipeline stages, rebuilt from the final checkpoint's parts
         whole = model if layout is None else load_checkpoint_model(checkpoint.list_checkpoints(cfg.out_dir)[-1])

@@ -95,6 +95,13 @@ def discovery(tmp_path, hosts: list[str]):
     return script
 
 
+def inject(failure: str) -> dict:
+    """The environment that makes rank 1 of a real run fail at its third backward pass
+    (workers/failure_injection): `error`, `user-error` or `kill`."""
+    return {"PYTHONPATH": os.pathsep.join([str(WORKERS / "failure_injection"), os.environ.get("PYTHONPATH", "")]),
+            "HVDTRAIN_TEST_FAIL": failure}
+
+
 def read_metrics(out_dir: Path) -> tuple[list[dict], list[dict]]:
     """(train records, eval records) of a run folder's metrics.jsonl, in step order."""
     return read_run_metrics(Path(out_dir))
@@ -121,6 +128,8 @@ def assert_same_losses(a: dict, b: dict, min_steps: int = 5):
 
 
 def assert_same_params(a: dict, b: dict, atol=0.0):
+    """Bitwise (atol=0) only for the same computation run twice (copies on two ranks, a resume);
+    two different computations (other world sizes, accumulation) need an fp32 atol."""
     assert a.keys() == b.keys()
     for name in a:
         assert torch.allclose(a[name], b[name], rtol=0, atol=atol), name

@@ -87,3 +87,24 @@ def test_a_step_flagged_non_finite_changes_nothing_and_the_next_continues_as_if_
         opt.found_inf = torch.zeros(())
         opt.step()
     assert torch.allclose(p.detach(), reference_lamb(w0, grads, 0.01, (0.9, 0.999), 1e-6, 0.01), atol=1e-6)
+
+
+def test_a_skipped_first_step_leaves_everything_as_it_was():
+    """fp16 often overflows on the very first step: with a fresh state the skipped step must not
+    divide by the bias corrections 1 - beta^0 = 0 (NaN in every parameter). Weight decay 0 and
+    not: the plain Adam step and the trust ratio both see the update of the skipped step."""
+    torch.manual_seed(0)
+    for wd in (0.01, 0.0):
+        w0 = torch.randn(5, 4)
+        grads = [torch.randn(5, 4) for _ in range(3)]
+        p = torch.nn.Parameter(w0.clone())
+        opt = Lamb([{"params": [p], "weight_decay": wd}], lr=0.01)
+        p.grad = torch.full_like(w0, float("inf"))
+        opt.found_inf = torch.ones(())  # as a GradScaler (or NonFiniteGuard) sets it
+        opt.step()
+        assert torch.equal(p.detach(), w0) and opt.state[p]["step"].item() == 0
+        for g in grads:
+            p.grad = g.clone()
+            opt.found_inf = torch.zeros(())
+            opt.step()
+        assert torch.allclose(p.detach(), reference_lamb(w0, grads, 0.01, (0.9, 0.999), 1e-6, wd), atol=1e-6)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers import BIN, WORKERS, horovodrun, hvdtrain
+from helpers import BIN, horovodrun, hvdtrain, inject
 from hvdtrain.relay import Relay
 
 # ---------------------------------------------------------------- recorded output
@@ -227,14 +227,6 @@ def test_after_a_successful_run_nothing_is_lost():
 
 
 # ---------------------------------------------------------------- real runs
-
-INJECT = WORKERS / "failure_injection"
-
-
-def inject(failure: str) -> dict:
-    return {"PYTHONPATH": os.pathsep.join([str(INJECT), os.environ.get("PYTHONPATH", "")]),
-            "HVDTRAIN_TEST_FAIL": failure}
-
 
 def assert_no_echoes(text: str):
     for echo in ("Horovod has been shut down", "HorovodInternalError", "Horovod detected", "Terminated",

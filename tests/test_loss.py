@@ -1,9 +1,13 @@
 """token_loss_sum: the training loss without the whole batch's logits.
 
 It must give the numbers of the path it replaces, cross_entropy(logits.float(), labels,
-reduction="sum") on the full (positions, vocab) logits: in fp32 on a CPU the same loss bit for
-bit and the same gradients to float rounding, under bf16 autocast the same within bf16's
-precision. On a GPU (skipped elsewhere) also: far less memory than the full logits."""
+reduction="sum") on the full (positions, vocab) logits: in fp32 the same loss and gradients to
+float rounding, under bf16 autocast the same within bf16's precision. On a GPU (skipped
+elsewhere) also: far less memory than the full logits.
+
+Chunked and whole matmuls, and two paths to the same numbers, are different computations: their
+roundings differ by CPU (AMD and Intel kernels block matmuls and sums differently), so they are
+compared within FP32_RTOL, never bit for bit."""
 import pytest
 import torch
 
@@ -14,6 +18,9 @@ from hvdtrain.errors import UserError
 from hvdtrain.models import (IGNORE_INDEX, Vocab, build_model, linear_cross_entropy_sum, logits_and_labels,
                              token_loss_sum)
 
+# fp32's epsilon is 1.2e-7; a sum of n terms computed in another order may differ by up to about
+# n * eps relative (n ~ 100 positions here). A wrong or missing position changes the loss by ~1%.
+FP32_RTOL = 1e-5
 VOCAB = 200  # padded to 256 rows: the rows past the tokenizer's size take part in the softmax as in training
 SEQ = 16
 
@@ -64,11 +71,11 @@ def chunked(chunk_elements):
 
 @pytest.mark.parametrize("arch", ["gpt2", "bert"])
 @pytest.mark.parametrize("chunk_elements", [2 ** 26, 7 * 256])  # one chunk; 7 positions a chunk (a partial last one)
-def test_fp32_same_loss_bit_for_bit_and_same_gradients(arch, chunk_elements):
+def test_fp32_same_loss_and_gradients_within_rounding(arch, chunk_elements):
     model, batch = tiny(arch)
     expected, expected_grads = loss_and_grads(model, batch, reference_loss)
     loss, grads = loss_and_grads(model, batch, chunked(chunk_elements))
-    assert loss.dtype == torch.float32 and torch.equal(loss, expected)
+    assert loss.dtype == torch.float32 and loss.item() == pytest.approx(expected.item(), rel=FP32_RTOL)
     assert grads.keys() == expected_grads.keys()
     for name, grad in grads.items():
         assert relative_error(grad, expected_grads[name], expected_grads) < 1e-5, name
@@ -82,9 +89,9 @@ def test_bert_positions_picked_without_a_host_copy_are_the_same():
     without = {k: v for k, v in batch.items() if k != "num_targets"}
     a, grads_a = loss_and_grads(model, batch, token_loss_sum)
     b, grads_b = loss_and_grads(model, without, token_loss_sum)
-    assert torch.equal(a, b)
+    assert a.item() == pytest.approx(b.item(), rel=FP32_RTOL)
     for name in grads_a:
-        assert torch.equal(grads_a[name], grads_b[name]), name
+        assert relative_error(grads_a[name], grads_b[name], grads_b) < FP32_RTOL, name
     logits, labels = logits_and_labels(model, batch)
     assert logits.shape == (batch["num_targets"], 256) and torch.equal(labels, batch["labels"][batch["labels"] != -100])
 
@@ -104,7 +111,8 @@ def test_bf16_autocast_within_bf16_precision(arch):
 def test_without_gradients_and_with_no_targets():
     model, batch = tiny("gpt2")
     with torch.no_grad():
-        assert torch.equal(token_loss_sum(model, batch, chunk_elements=3 * 256), reference_loss(model, batch))
+        loss = token_loss_sum(model, batch, chunk_elements=3 * 256)
+        assert loss.item() == pytest.approx(reference_loss(model, batch).item(), rel=FP32_RTOL)
     x = torch.randn(4, 8, requires_grad=True)
     w = torch.randn(16, 8, requires_grad=True)
     loss = linear_cross_entropy_sum(x, w, None, torch.full((4,), IGNORE_INDEX))
@@ -115,7 +123,9 @@ def test_without_gradients_and_with_no_targets():
 def test_logits_switch_is_the_former_path_and_bad_values_are_refused(monkeypatch):
     model, batch = tiny("gpt2")
     monkeypatch.setenv("HVDTRAIN_LOSS", "logits")
-    assert torch.equal(token_loss_sum(model, batch), reference_loss(model, batch))
+    # The former path's ops, on (positions, d_model) features rather than GPT2LMHeadModel's
+    # (batch, seq, d_model): another matmul shape, so rounding may differ.
+    assert token_loss_sum(model, batch).item() == pytest.approx(reference_loss(model, batch).item(), rel=FP32_RTOL)
     monkeypatch.setenv("HVDTRAIN_LOSS", "fused")
     with pytest.raises(UserError, match="HVDTRAIN_LOSS='fused': expected one of chunked, compiled, logits"):
         token_loss_sum(model, batch)

@@ -116,3 +116,17 @@ def test_a_resumed_run_shows_each_step_once(tmp_path, tiny_config):
         assert [s.step for s in scalars] == list(steps), tag
     assert [s.value for s in events.Scalars("loss")] == pytest.approx(
         [r["loss"] for r in read_metrics(straight)[0]], rel=1e-5)
+
+
+@pytest.mark.workers
+def test_a_resume_between_two_log_points_keeps_every_steps_loss(tmp_path, tiny_config):
+    """log.every=4 with a checkpoint every 3: the checkpoint's step is a log point too, so a run
+    resumed at step 3 has the losses of steps 1-3 (a record at step 4 would hold them, and it is
+    one of the steps computed again)."""
+    config = tiny_config({"train": {"max_steps": 8}, "checkpoint": {"every": 3, "keep": 3}, "log": {"every": 4}})
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train_workers(2, config, f"out_dir={straight}")
+    assert horovodrun(2, [WORKERS / "die_during_checkpoint.py", config, f"out_dir={resumed}", "6"]).returncode != 0
+    assert "resuming at step 3" in train_workers(2, config, f"out_dir={resumed}").stdout
+    assert [r["step"] for r in read_records(resumed / FILE_NAME) if "loss" in r] == [3, 4, 6, 8]
+    assert_same_losses(step_losses(straight), step_losses(resumed), min_steps=8)

@@ -1,10 +1,12 @@
 """Pipeline stages x Horovod data parallelism through the real training loop (`hvdtrain
 train` under horovodrun, Gloo, fp32, no dropout): the same maths as the unsplit model, tied
 copies equal, checkpoints that any layout resumes, and one line for each impossible layout."""
+import time
+
 import pytest
 import torch
 
-from helpers import (assert_same_losses, hvdtrain, load_params, read_metrics, step_losses, train_workers)
+from helpers import (assert_same_losses, hvdtrain, inject, load_params, read_metrics, step_losses, train_workers)
 from hvdtrain import checkpoint
 
 pytestmark = pytest.mark.workers
@@ -73,6 +75,28 @@ def test_two_stages_times_two_copies_equal_two_copies(tmp_path, tiny_config):
     assert_close_params(load_params(dp2, 0), whole_model(grid, [0, 2]))
 
 
+def test_the_start_up_line_gives_the_interleaved_bubble(tmp_path, tiny_config):
+    """2 ranks x 2 stages each, 4 micro batches: (p-1)/(v·m+p-1) = 1/9, not 1F1B's 1/5."""
+    proc = hvdtrain("launch", "-np", "2", tiny_config(PIPE), f"out_dir={tmp_path / 'run'}", "train.max_steps=1",
+                    "parallel.pipeline_stages=2", "parallel.schedule=interleaved1f1b", "parallel.stages_per_rank=2")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "on stage 0 of 2 (interleaved1f1b, 4 micro batches per run, ideal bubble 11%," in proc.stdout, proc.stdout
+
+
+def test_the_reduction_after_the_pipeline_takes_horovod_compression(tmp_path, tiny_config):
+    """parallel.reduce_gradients=after with horovod.compression=fp16: the gradients travel as
+    fp16, so the run differs from the uncompressed one, within fp16's rounding."""
+    config = tiny_config(PIPE)
+    params = {}
+    for compression in ("none", "fp16"):
+        out = tmp_path / compression
+        train_workers(2, config, f"out_dir={out}", "parallel.pipeline_stages=2", "parallel.reduce_gradients=after",
+                      f"horovod.compression={compression}")
+        params[compression] = whole_model(out, [0, 1])
+    assert any(not torch.equal(params["none"][k], params["fp16"][k]) for k in params["none"])
+    assert_close_params(params["none"], params["fp16"], atol=1e-3)
+
+
 def test_resume_with_another_layout_equals_a_straight_run(tmp_path, tiny_config):
     """Stop at step 4 with 2 stages, go on to 6 with one worker, then to 8 with 2 stages again."""
     config = tiny_config({**PIPE, "train": {**PIPE["train"], "max_steps": 8}, "checkpoint": {"every": 2}})
@@ -89,6 +113,21 @@ def test_resume_with_another_layout_equals_a_straight_run(tmp_path, tiny_config)
     from transformers import AutoModelForCausalLM
     exported = AutoModelForCausalLM.from_pretrained(moved / "hf").state_dict()
     assert_close_params({k: v for k, v in load_params(straight, 0).items() if k in exported}, exported)
+
+
+def test_a_failing_stage_ends_the_job_at_once_with_its_error(tmp_path, tiny_config):
+    """Rank 1 (the last stage) raises in its third backward; rank 0 waits for it inside the step.
+    The failing rank's clean-up must not wait for the others (Horovod's process sets are removed
+    collectively), or the job hangs until the stall watchdog names the wrong cause."""
+    start = time.monotonic()
+    proc = hvdtrain("launch", "--gloo", "-np", "2", tiny_config(PIPE), f"out_dir={tmp_path / 'run'}",
+                    "parallel.pipeline_stages=2", "horovod.stall_timeout_s=20", env=inject("error"), timeout=180)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.startswith("hvdtrain: worker 1 failed:\nTraceback (most recent call last):\n"), proc.stderr
+    assert proc.stderr.count("RuntimeError: injected failure in the middle of training") == 1, proc.stderr
+    assert "stalled" not in proc.stderr
+    assert elapsed < 40, elapsed  # the stall watchdog would have ended it after 3 x 20 s
 
 
 @pytest.mark.parametrize("overrides,words", [

@@ -35,8 +35,9 @@ def test_a_signal_to_rank_1_checkpoints_every_rank_and_the_rerun_equals_a_straig
     assert_same_params(load_params(straight, 0), load_params(preempted, 0))
 
 
-def test_a_non_finite_step_is_skipped_and_counted(tmp_path, tiny_config):
-    config = tiny_config({"train": {"max_steps": 6}})
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])  # fp16: the grad scaler skips it, the guard counts it
+def test_a_non_finite_step_is_skipped_and_counted(tmp_path, tiny_config, precision):
+    config = tiny_config({"train": {"max_steps": 6, "precision": precision}})
     out = tmp_path / "run"
     proc = horovodrun(2, [WORKERS / "inject_faults.py", config, f"out_dir={out}"],
                       env={"HVDTRAIN_TEST_NAN_STEPS": "2"})
@@ -48,8 +49,10 @@ def test_a_non_finite_step_is_skipped_and_counted(tmp_path, tiny_config):
     assert checkpoint.problem(checkpoint.newest_intact_checkpoint(out)) is None
 
 
-def test_too_many_non_finite_steps_in_a_row_stop_the_run(tmp_path, tiny_config):
-    config = tiny_config({"train": {"max_steps": 8, "max_bad_steps": 3}, "checkpoint": {"every": 1}})
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_too_many_non_finite_steps_in_a_row_stop_the_run(tmp_path, tiny_config, precision):
+    config = tiny_config({"train": {"max_steps": 8, "max_bad_steps": 3, "precision": precision},
+                          "checkpoint": {"every": 1}})
     out = tmp_path / "run"
     proc = horovodrun(2, [WORKERS / "inject_faults.py", config, f"out_dir={out}"],
                       env={"HVDTRAIN_TEST_NAN_STEPS": "2,3,4,5,6,7"})
@@ -59,6 +62,23 @@ def test_too_many_non_finite_steps_in_a_row_stop_the_run(tmp_path, tiny_config):
     for path in checkpoint.list_checkpoints(out):
         from safetensors.torch import load_file
         assert all(bool(t.isfinite().all()) for t in load_file(str(path / "model.safetensors")).values())
+
+
+def test_a_streak_between_two_log_points_stops_the_run_where_it_reaches_the_limit(tmp_path, tiny_config):
+    """Steps 3, 4, 5 are not finite, step 6 is again: with log points at 4 and 8 neither sees 3
+    in a row, yet the run stops after step 5 on every rank (a rank that went on would hang in
+    the next collective until the stall watchdog)."""
+    config = tiny_config({"train": {"max_steps": 10, "max_bad_steps": 3}, "log": {"every": 4},
+                          "horovod": {"stall_timeout_s": 30}})
+    out = tmp_path / "run"
+    proc = horovodrun(2, [WORKERS / "inject_faults.py", config, f"out_dir={out}"],
+                      env={"HVDTRAIN_TEST_NAN_STEPS": "2,3,4"}, timeout=200)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert proc.stderr.count("hvdtrain: stopped: the gradients were not finite in the last 3 steps up to step 5 "
+                             "(train.max_bad_steps=3)") == 1, proc.stderr[-3000:]
+    assert "stalled" not in proc.stderr
+    assert [r["step"] for r in read_metrics(out)[0]] == [4]  # stopped before the log point of step 8
+    assert checkpoint.list_checkpoints(out) == []  # nor the final checkpoint
 
 
 # ---------------------------------------------------------------- stalled workers

@@ -74,7 +74,7 @@ def load_or_train_tokenizer(cfg: DataConfig, arch: str, corpus: Corpus, cache_ro
                  cfg.vocab_size, cfg.tokenizer_sample_mb)
         with atomic_path(path) as tmp:
             train_tokenizer(tokenizer_sample(corpus, cfg.tokenizer_sample_mb), arch, cfg.vocab_size).save_pretrained(tmp)
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerFast) -> str:
@@ -87,8 +87,8 @@ def _pretrained(name: str) -> PreTrainedTokenizerFast:
     """A fast (Rust `tokenizers`) tokenizer: batch tokenization needs its speed and the
     cache key its serialized form."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
-    except OSError as e:  # missing local folder, unknown hub name, or the hub cannot be reached
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=False)  # no code from a folder or the hub
+    except (OSError, ValueError) as e:  # missing local folder, unknown hub name, or the hub cannot be reached
         raise UserError(f"config key 'data.tokenizer': could not load '{name}' as a local tokenizer folder or "
                         f"from the hub ({one_line(e)}); use data.tokenizer=train to train one") from None
     if not getattr(tokenizer, "is_fast", False):

@@ -25,10 +25,13 @@ from safetensors.torch import save_file
 from hvdtrain import pipeline
 from hvdtrain.config import ModelConfig
 from hvdtrain.models import IGNORE_INDEX, Vocab, build_model, logits_and_labels
+from hvdtrain.run_control import NonFiniteGuard
 
 N_LAYER, SEQ, VOCAB, MASK_ID = 4, 16, 128, 4
 GLOBAL_BATCH, MICROBATCHES, STEPS = 8, 4, 4
 LR, MAX_NORM, SEED = 1e-3, 0.5, 7
+# fp16 skips (fp16_skips): a growth interval the forced skip falls inside of
+FP16_SCALER = {"init_scale": 1024.0, "growth_interval": 3}
 
 
 def global_batch(arch: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +134,8 @@ def train_pipelined(case: str, layout: pipeline.Layout, groups: pipeline.Groups)
             optimizer.step()
         optimizer.zero_grad()
         result["losses"].append(hvd.allreduce(local, op=hvd.Sum, name="loss").item() / targets)
-    result["nonfinite"] = [nonfinite_seen(stage, layout, groups, inf_on_last) for inf_on_last in (False, True)]
+    result["scaler"] = fp16_skips(stage, layout, groups)
+    result["after_reduction"] = after_reduction(layout, groups)
     stage.eval()
     ids, labels = global_batch(arch, 0)
     with torch.no_grad():
@@ -140,13 +144,44 @@ def train_pipelined(case: str, layout: pipeline.Layout, groups: pipeline.Groups)
     return result, stage
 
 
-def nonfinite_seen(stage, layout: pipeline.Layout, groups: pipeline.Groups, inf_on_last: bool) -> bool:
-    """any_nonfinite on this rank when the last stage alone holds an inf gradient (or none does)."""
-    p = next(stage.parameters())
-    p.grad = torch.full_like(p, float("inf")) if inf_on_last and layout.is_last else torch.zeros_like(p)
-    seen = pipeline.any_nonfinite(stage, groups)
-    p.grad = None
-    return seen
+def fp16_skips(stage, layout: pipeline.Layout, groups: pipeline.Groups, steps: int = 4, inf_step: int = 2) -> list:
+    """`steps` steps of a GradScaler (on copies of the stage's parameters, so the trained
+    ones stay as they are) where only the last stage finds inf, in step `inf_step`, stepped as
+    the training loop does: share_found_inf, then NonFiniteGuard.scaler_step. Per step: this
+    rank's scaler state, whether its parameters changed, and the guard's streak."""
+    params = [p.detach().clone().requires_grad_() for p in stage.parameters()]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", **FP16_SCALER)
+    guard = NonFiniteGuard(torch.device("cpu"), max_bad_steps=10)
+    states = []
+    for step in range(steps):
+        weight = float("inf") if step == inf_step and layout.is_last else 1.0
+        scaler.scale(sum(p.sum() for p in params[1:]) + (params[0] * weight).sum()).backward()
+        before = [p.detach().clone() for p in params]
+        scaler.unscale_(optimizer)
+        pipeline.share_found_inf(scaler, optimizer, groups)
+        guard.scaler_step(scaler, optimizer)
+        states.append({**scaler.state_dict(), "stepped": any(not torch.equal(b, p) for b, p in zip(before, params)),
+                       "in_a_row": guard.in_a_row.item()})
+        optimizer.zero_grad()
+    return states
+
+
+def after_reduction(layout: pipeline.Layout, groups: pipeline.Groups) -> dict:
+    """allreduce_grads_after among the copies of this stage of gradients that differ by copy,
+    with horovod.compression and gradient_predivide_factor as the training loop passes them.
+    `thirds` round in fp16; `big` (40000 a copy) overflows an fp16 sum of two copies."""
+    def reduced(values, **options) -> list[float]:
+        p = torch.nn.Parameter(torch.zeros(len(values)))
+        p.grad = torch.tensor(values)
+        pipeline.allreduce_grads_after([p], groups, hvd.Average, **options)
+        return p.grad.tolist()
+
+    thirds, big, fp16 = [(1 + layout.dp_rank) / 3, 1e-3 * (1 + layout.dp_rank)], [40000.0], hvd.Compression.fp16
+    return {"none": reduced(thirds), "fp16": reduced(thirds, compression=fp16),
+            "predivided": reduced(thirds, gradient_predivide_factor=4.0),
+            "fp16_big": reduced(big, compression=fp16),
+            "fp16_big_predivided": reduced(big, compression=fp16, gradient_predivide_factor=2.0)}
 
 
 def main():
