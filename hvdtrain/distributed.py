@@ -63,6 +63,12 @@ def horovod_env(cfg: Config) -> dict:
         # Gloo gives up on a worker that does not answer after 30 s, with an error that does not
         # say which: the stall watchdog (hvdtrain.run_control) names it, so Gloo waits longer.
         env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(int(h.stall_timeout_s) + 60)
+    if is_elastic_job() and "HOROVOD_CACHE_CAPACITY" not in os.environ:
+        # Horovod's response cache goes out of step between the workers that lived through a
+        # reset and one that joins: the next fused allreduce then has different sizes on two
+        # ranks and Gloo aborts the new worker ("op.preamble.length <= op.nbytes"), every time a
+        # host is added. Without the cache every tensor is negotiated through rank 0, each cycle.
+        env["HOROVOD_CACHE_CAPACITY"] = "0"
     return env
 
 

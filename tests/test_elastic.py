@@ -56,6 +56,28 @@ def test_a_lost_worker_leaves_one_that_finishes_like_a_single_worker(tmp_path, o
     assert checkpoint.newest_intact_checkpoint(out).name == f"step_{STEPS:08d}"  # written by the new rank 0
 
 
+def test_a_host_added_to_a_gpt_tiny_run_joins(tmp_path):
+    """recipes/gpt-tiny.yaml, 1 worker and then 2: with Horovod's response cache on, the joining
+    worker aborted in its first fused allreduce (Gloo: "op.preamble.length <= op.nbytes") at
+    every join, so the job never grew. Elastic jobs run without the cache."""
+    import os
+
+    import yaml
+    from helpers import write_config
+    recipe = yaml.safe_load((REPO / "recipes" / "gpt-tiny.yaml").read_text())
+    config = write_config(tmp_path / "config.yaml", {
+        "data": {"cache_dir": str(tmp_path / "cache")}, "eval": {"every": 0}, "log": {"every": 1, "progress": False},
+        "checkpoint": {"every": 0}, "elastic": {"commit_every": 2},
+        "train": {"max_steps": 16, "slow_ranks": [0], "slow_seconds": 0.4}}, base=recipe)
+    out = tmp_path / "run"
+    env = {"HVDTRAIN_TEST_ADD_HOST": f"1:{tmp_path / 'hosts.txt'}:127.0.0.1:1",
+           **{k: v for k, v in os.environ.items() if k == "HOROVOD_CACHE_CAPACITY"}}
+    proc = elastic_run(1, tmp_path, config, out, env)
+    assert "EnforceNotMet" not in proc.stdout + proc.stderr
+    assert [(e["old_world_size"], e["world_size"]) for e in events(out)] == [(1, 2)]
+    assert sorted(step_losses(out)) == list(range(1, 17))
+
+
 def test_an_added_host_joins_and_the_run_equals_a_single_worker(tmp_path, one_worker):
     config, reference = one_worker
     out = tmp_path / "run"
