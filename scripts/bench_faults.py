@@ -129,6 +129,7 @@ class Campaign:
         self.findings: list[str] = []  # what went wrong: each one is a defect
         self.log = open(folder / "launches.log", "w")
         self.lines_before: set[str] = set()  # metrics.jsonl's lines when the current launch began
+        self.writes_before: set[tuple[Path, int]] = set()  # and the checkpoint writes left in flight
 
     def command(self, out: Path) -> list[str]:
         return launch_command(self.folder, self.layout, [*run_overrides(out, self.steps, self.layout),
@@ -142,6 +143,7 @@ class Campaign:
                        f"{'fsize ' + str(fsize) if fsize else ''}\n")
         self.log.flush()
         self.lines_before = set(metrics_lines(self.out))
+        self.writes_before = self.writes_in_flight()
         return subprocess.Popen(self.command(self.out), stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
                                 env=dict(os.environ, **(env or {})), preexec_fn=limit, start_new_session=True)
 
@@ -160,15 +162,27 @@ class Campaign:
         return False
 
     def wait_for_write(self, proc: subprocess.Popen, point: str, timeout: float = 300) -> bool:
-        """Until a checkpoint write has paused at `point`: its temporary folder holds the state
-        file but no manifest ("manifest"), or the manifest, not yet renamed into place ("rename")."""
-        root, deadline = self.out / "checkpoints", time.monotonic() + timeout
+        """Until a checkpoint write of this launch has paused at `point`: its temporary folder
+        holds the state file but no manifest ("manifest"), or the manifest, not yet renamed into
+        place ("rename"). A folder an earlier launch left is not this launch's write."""
+        deadline = time.monotonic() + timeout
         marker = "state.json" if point == "manifest" else "manifest.json"
         while proc.poll() is None and time.monotonic() < deadline:
-            if root.is_dir() and any((p / marker).is_file() for p in root.glob(".tmp-step_*")):
+            if any((p / marker).is_file() for p, _ in self.writes_in_flight() - self.writes_before):
                 return True
             time.sleep(0.02)
         return False
+
+    def writes_in_flight(self) -> set[tuple[Path, int]]:
+        """The checkpoint writes' temporary folders, each as (path, inode): a folder of the same
+        name made again is another write."""
+        found = set()
+        for p in (self.out / "checkpoints").glob(".tmp-step_*"):
+            try:
+                found.add((p, p.stat().st_ino))
+            except FileNotFoundError:
+                pass  # renamed into place or removed just now
+        return found
 
     def finish(self, proc: subprocess.Popen, timeout: float = 300) -> int:
         try:
