@@ -57,6 +57,8 @@ def run_overrides(out: Path, steps: int, layout: str) -> list[str]:
             "checkpoint.keep=3", "log.every=1", "log.progress=false", "eval.every=0", "eval.batches=2"]
     if layout == "pipeline":
         over.append("parallel.pipeline_stages=2")
+    if layout == "elastic":  # slower steps: a lost host takes tens of seconds to come back and join
+        over += ["train.slow_ranks=[0,1]", "train.slow_seconds=0.2"]
     return over
 
 
@@ -362,12 +364,12 @@ def main():
     parser.add_argument("--kinds", type=lambda s: s.split(","), help="only these kinds of fault, comma-separated "
                         "(default: all of the layout's)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, help="the run's length (default: 5 per fault + 12)")
+    parser.add_argument("--steps", type=int, help="the run's length (default: 5 per fault + 12; elastic: 40 per fault)")
     parser.add_argument("--rtol", type=float, default=1e-6, help="relative tolerance where not bitwise")
     parser.add_argument("--keep", help="keep the campaign's folders here (default: a temporary folder)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line too")
     args = parser.parse_args()
-    steps = args.steps or 5 * args.faults + 12
+    steps = args.steps or (40 if args.layout == "elastic" else 5) * args.faults + 12
     with tempfile.TemporaryDirectory(prefix="hvdtrain-faults-") as tmp:
         folder = Path(args.keep or tmp)
         folder.mkdir(parents=True, exist_ok=True)
