@@ -160,8 +160,9 @@ def test_sigterm_to_the_worker_checkpoints_real_ranks_started_by_horovodrun(tmp_
 
 
 def start_launcher(tmp_path: Path, *args) -> subprocess.Popen:
-    """The entrypoint's default role: `hvdtrain ARGS` (tmp_path/bin first on PATH)."""
-    env = dict(os.environ, **OFFLINE, **SHARED_CORES, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+    """The entrypoint's default role: `hvdtrain ARGS` (tmp_path/bin first on PATH, then this venv's,
+    as in the image, where the venv's bin folder is on PATH)."""
+    env = dict(os.environ, **OFFLINE, **SHARED_CORES, PATH=f"{tmp_path / 'bin'}:{BIN}:{os.environ['PATH']}",
                TMPDIR=str(tmp_path), HOME=str(tmp_path), HVDTRAIN_TEST_WORKER=str(tmp_path))
     with open(tmp_path / "launcher.out", "w") as out, open(tmp_path / "launcher.err", "w") as err:
         return subprocess.Popen([ENTRYPOINT, *map(str, args)], stdout=out, stderr=err, env=env, cwd=REPO)
