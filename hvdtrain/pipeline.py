@@ -375,7 +375,7 @@ def run(pipe: Pipeline, input_ids: torch.Tensor, labels: torch.Tensor, train: bo
     step(*args, target=labels if layout.is_last else None, losses=losses, return_outputs=False)
     if not layout.is_last:
         return torch.zeros((), dtype=torch.float64, device=input_ids.device)
-    return torch.stack([l.detach() for l in losses]).double().sum() / pipe.loss.scale
+    return torch.stack([loss.detach() for loss in losses]).double().sum() / pipe.loss.scale
 
 
 # ---------------------------------------------------------------- gradients after the backward

@@ -16,7 +16,6 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from hvdtrain.errors import UserError
 from hvdtrain.metrics import PHASES, read_metrics
 from hvdtrain.paths import check_writable_folder
 
@@ -59,10 +58,11 @@ def summarize(run_dir: Path, train: list[dict], evals: list[dict]) -> dict:
     # Per-rank timings of the current world size (a resume may have changed it).
     timed = [r for r in measured if "ranks" in r and r["world_size"] == last["world_size"]]
     if timed:
-        out["phases"] = {p: time_mean(timed, lambda r: r[f"time_{p}"]) for p in PHASES}
+        # time_mean calls each lambda before the loop moves on: the loop variables it reads are current.
+        out["phases"] = {p: time_mean(timed, lambda r: r[f"time_{p}"]) for p in PHASES}  # noqa: B023
         out["time_step"] = time_mean(timed, lambda r: r["time_step"])
         # Per rank and phase, averaged over the run: the stacked bars of breakdown.png.
-        out["ranks"] = {p: [time_mean(timed, lambda r: r["ranks"][p][i]) for i in range(last["world_size"])]
+        out["ranks"] = {p: [time_mean(timed, lambda r: r["ranks"][p][i]) for i in range(last["world_size"])]  # noqa: B023
                         for p in (*PHASES, "step")}
         worst = max(timed, key=lambda r: r["imbalance"])
         out["imbalance"] = {"max": worst["imbalance"], "at_step": worst["step"],

@@ -109,7 +109,7 @@ def train_records(out: Path, lines: list[str] | None = None) -> list[dict]:
 def step_reached(out: Path, before: set[str] = frozenset()) -> int:
     """The last step logged, in the lines not in `before` (what the file held when a launch began:
     until it opens its run log, a relaunch still finds the records of steps it will redo)."""
-    return max((r["step"] for r in train_records(out, [l for l in metrics_lines(out) if l not in before])),
+    return max((r["step"] for r in train_records(out, [line for line in metrics_lines(out) if line not in before])),
                default=0)
 
 

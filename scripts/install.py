@@ -305,9 +305,9 @@ def ensure_horovod(python: Path, cache_dir: Path, jobs: int):
 
 
 def ensure_hvdtrain(python: Path, extras: str):
-    """Editable install of this repo; redone only when setup.py (its dependency list) changed."""
+    """Editable install of this repo; redone only when pyproject.toml (its dependency list) changed."""
     stamp = python.parent.parent / ".hvdtrain-setup-sha256"
-    wanted = sha256(REPO / "setup.py") + extras
+    wanted = sha256(REPO / "pyproject.toml") + extras
     if stamp.exists() and stamp.read_text() == wanted and python_says(python, "import hvdtrain") is not None:
         return
     run([python, "-m", "pip", "install", "-q", "-e", f"{REPO}[{extras}]" if extras else str(REPO)])

@@ -187,7 +187,7 @@ def test_copied_files_exist_and_pass_the_dockerignore():
                     assert (REPO / source).exists(), f"COPY {source}: no such file"
                     assert not dockerignore_excludes(source), f"COPY {source}: left out by Dockerfile.dockerignore"
     # COPY . brings what `pip install -e .` and the recipes need, and none of the local state.
-    for kept in ["setup.py", "hvdtrain/cli.py", "recipes/gpt-tiny.yaml", "scripts/install.py"]:
+    for kept in ["pyproject.toml", "hvdtrain/cli.py", "recipes/gpt-tiny.yaml", "scripts/install.py"]:
         assert not dockerignore_excludes(kept), kept
     for left_out in [".venv/bin/python", "runs/gpt-tiny/metrics.jsonl", ".git/HEAD", "hvdtrain/__pycache__/cli.pyc"]:
         assert dockerignore_excludes(left_out), left_out

@@ -86,7 +86,7 @@ class LoopbackHosts:
                 return
             except OSError:
                 if time.monotonic() > deadline or self.servers[-1].poll() is not None:
-                    raise RuntimeError(f"sshd on {address} did not start:\n{(self.folder / log.name).read_text()}")
+                    raise RuntimeError(f"sshd on {address} did not start:\n{(self.folder / log.name).read_text()}") from None
                 time.sleep(0.05)
 
     def stop(self):

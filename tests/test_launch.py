@@ -326,7 +326,6 @@ def test_the_workers_of_a_killed_launcher_stop_by_themselves(tmp_path, tiny_conf
     """SIGKILL of `hvdtrain launch` alone (its terminal closed, an OOM kill): horovodrun and the
     workers must not go on training into the run folder beside a relaunched job."""
     import signal
-    import subprocess
     from helpers import start_cmd
     out = tmp_path / "run"
     config = tiny_config({"train": {"max_steps": 500, "slow_ranks": [0, 1], "slow_seconds": 0.2}})

@@ -156,7 +156,6 @@ def test_each_stage_checksums_its_own_part_and_a_damaged_part_is_found_at_resume
     """With 2 stages rank 1 writes, fsyncs and checksums stage 2's part; rank 0 writes the
     manifest from the checksums it is sent, reading no byte of that part. A part damaged later
     is set aside at resume, which continues from the checkpoint before."""
-    from helpers import WORKERS
     config = tiny_config({**PIPE, "train": {**PIPE["train"], "max_steps": 6}, "checkpoint": {"every": 2, "keep": 3}})
     out = tmp_path / "run"
     train_workers(2, config, f"out_dir={out}", "parallel.pipeline_stages=2", "train.stop_at_step=4",

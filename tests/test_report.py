@@ -63,7 +63,10 @@ def test_top_operators_rank_by_device_time_when_there_is_one(device):
     if device:
         columns.update({"Self CUDA": ["9.000ms", "5.000ms", "500.000us"], "Self CUDA %": ["50.00%", "30.00%", "5.00%"]})
     rule = "  ".join("-" * 14 for _ in columns)
-    line = lambda cells: "  ".join(f"{c:>14}" for c in cells)
+
+    def line(cells):
+        return "  ".join(f"{c:>14}" for c in cells)
+
     table = "\n".join([rule, line(columns), rule, *(line(row) for row in zip(*columns.values())), rule,
                        "Self CPU time total: 12.000ms"])
     top = report.top_operators(table)

@@ -38,7 +38,7 @@ def test_each_epoch_covers_the_dataset_once_and_shards_are_disjoint(n):
     micro, accum, world = 2, 2, 2
     per_rank = rank_batches(n, micro, accum, world, steps=60)
     positions = {}
-    for r, batches in per_rank.items():
+    for batches in per_rank.values():
         for pos, epoch, idx in (k for mb in batches for k in mb):
             assert pos not in positions, "a stream position was read by two ranks"
             assert epoch == pos // n

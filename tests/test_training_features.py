@@ -1,6 +1,5 @@
 """Training-loop features with real workers: mixed precision with clipping, uneven data,
 evaluation, the run folder's outputs; and the zero_grad shim for Horovod's optimizer."""
-import json
 import math
 
 import pytest
