@@ -25,7 +25,7 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not workers" tests
 
-# The CPU flavour of docker/Dockerfile built with buildah on a Debian 12 base and run as the README
+# The CPU flavour of docker/Dockerfile built with buildah on a Debian 12 base and run as docs/containers.md
 # runs it: doctor, 2 workers with Gloo and with MPI, a worker container reached over ssh (root).
 test-image:
 	docker/test-image.sh

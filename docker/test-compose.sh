@@ -8,7 +8,7 @@
 # --build-only: nothing to do when it is cached), run by podman from the same storage, tagged as
 # the compose file's hvdtrain:latest. The project is a folder laid out as the repository
 # (docker/docker-compose.yml, a byte-for-byte copy, with data/ and runs/ next to docker/, made by
-# the image's user before the first run, as the README says). Checks, as a user would see them:
+# the image's user before the first run, as docs/containers.md says). Checks, as a user would see them:
 #   1. `up -d` of the train service: `hvdtrain launch -np $NUM_GPUS recipes/$RECIPE.yaml` trains on
 #      2 workers (NUM_GPUS=2, a gpt-tiny recipe of STEPS steps), then `stop` (SIGTERM) after a few
 #      steps: the ranks checkpoint at the same step and the service exits 75 (preempted)
@@ -96,7 +96,7 @@ podman tag localhost/hvdtrain:cpu-test localhost/hvdtrain:latest
 project=$work/hvdtrain  # as the repository: docker/docker-compose.yml, data/ and runs/
 mkdir -p "$project/docker"
 cp "$repo/docker/docker-compose.yml" "$project/docker/"
-# The README's first step, as the image's user (uid 1000) would run it.
+# The first step of docs/containers.md (One node), as the image's user (uid 1000) would run it.
 chown "$user_uid:$user_uid" "$project"
 setpriv --reuid "$user_uid" --regid "$user_uid" --clear-groups mkdir -p "$project/data" "$project/runs"
 

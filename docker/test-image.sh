@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build the image from docker/Dockerfile and use it, on this machine, without Docker: the CPU
-# flavour (a Debian 12 base made by debootstrap), built by buildah, then run as the README runs it.
+# flavour (a Debian 12 base made by debootstrap), built by buildah, then run as docs/containers.md runs it.
 #
 #   docker/test-image.sh            # or: make test-image
 #   docker/test-image.sh --build-only   # only build (or find cached) the image: docker/test-compose.sh
@@ -213,7 +213,7 @@ run_in() { # CONTAINER [buildah run options] -- ARGS...
     run --user 1000:1000 --network host --uts host "${opts[@]}" "$ctr" -- hvdtrain-entrypoint "$@"
 }
 
-# The runs folder is a mount, as in the README, written by the container user.
+# The runs folder is a mount, as in docs/containers.md, written by the container user.
 mkdir -p "$work/runs"
 chown 1000:1000 "$work/runs"
 runs_mount=(-v "$work/runs:/opt/hvdtrain/runs")

@@ -23,6 +23,8 @@ from hvdtrain.cli import build_parser
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
+# The README and the topics moved out of it: their commands and recipes are checked like the README's.
+DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]
 DOCKER = REPO / "docker"
 BIN = Path(sys.executable).parent
 
@@ -389,7 +391,8 @@ def test_mpijob_agrees_with_the_image_on_user_ssh_and_paths():
 
 # ---------------------------------------------------------------- every file: recipes and commands
 
-CLUSTER_FILES = [DOCKER / "docker-compose.yml", SBATCH, DOCKER / "k8s" / "mpijob.yaml", README]
+CLUSTER_FILES = [DOCKER / "docker-compose.yml", SBATCH, DOCKER / "k8s" / "mpijob.yaml", README,
+                 REPO / "docs" / "containers.md", REPO / "docs" / "clusters.md"]
 
 
 @pytest.mark.parametrize("path", CLUSTER_FILES, ids=lambda p: p.name)
@@ -401,9 +404,9 @@ def test_referenced_recipes_exist(path):
 
 
 def doc_commands() -> list[tuple[str, bool]]:
-    """(command, complete) for README.md: lines of its shell blocks (continuations joined)
-    are complete commands; `inline code` in the prose may be a fragment such as `hvdtrain launch`."""
-    text = README.read_text()
+    """(command, complete) for README.md and docs/: lines of their shell blocks (continuations
+    joined) are complete commands; `inline code` in the prose may be a fragment such as `hvdtrain launch`."""
+    text = "\n".join(doc.read_text() for doc in DOCS)
     blocks = "\n".join(re.findall(r"```bash\n(.*?)```", text, re.S))
     lines = [(line, True) for line in blocks.replace("\\\n", " ").splitlines()]
     return lines + [(code, False) for code in re.findall(r"`([^`\n]*hvdtrain[^`\n]*)`", text)]

@@ -1,6 +1,6 @@
 """The fault campaign (scripts/bench_faults.py), short: a real `hvdtrain launch` hit by a handful of
 faults of every kind, relaunched after each, ends like an uninterrupted run and loses nothing.
-(The README's campaigns of 30 faults per layout take many minutes each.)"""
+(The campaigns of docs/faults.md, 30 faults per layout, take many minutes each.)"""
 import json
 import sys
 

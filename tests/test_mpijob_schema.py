@@ -155,9 +155,9 @@ def test_the_mpijob_check_rejects_what_the_operator_would(spoil, problem):
     assert any(p.startswith(problem) for p in problems), problems
 
 
-def test_the_readme_names_the_operator_version_and_what_was_checked():
-    readme = (MANIFEST.parent.parent.parent / "README.md").read_text()
-    kubernetes = readme[readme.index("### Kubernetes"):]
-    kubernetes = kubernetes[:kubernetes.index("\n### ", 1)]
+def test_the_docs_name_the_operator_version_and_what_was_checked():
+    clusters = (MANIFEST.parent.parent.parent / "docs" / "clusters.md").read_text()
+    kubernetes = clusters[clusters.index("## Kubernetes"):]
+    kubernetes = kubernetes[:kubernetes.index("\n## ", 1)]
     assert f"MPI Operator {MPI_OPERATOR_VERSION}" in kubernetes and f"Kubernetes {KUBERNETES_VERSION}" in kubernetes
     assert "tests/test_mpijob_schema.py" in kubernetes

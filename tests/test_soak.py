@@ -1,6 +1,6 @@
 """The soak benchmark (scripts/bench_soak.py), short: a run of 2 real workers with evaluations and
 checkpoints leaves no process, temporary entry or half-written folder behind, and opens no file
-it does not close. (RSS growth needs its thousands of steps: see the README.)"""
+it does not close. (RSS growth needs its thousands of steps: see docs/benchmarks.md.)"""
 import json
 import sys
 
