@@ -1,9 +1,21 @@
-"""The typed configuration: every key, its type and its default, in one place.
+"""The typed configuration: every key, its type, its default and its bounds, in one place.
 
 A run is described by a YAML file plus dotted overrides on the command line
 (`train.lr=3e-4 data.seq_len=256`). `load_config` merges them, checks every key and
 value against the dataclasses below and returns a `Config`. Any mistake raises a
 UserError whose message names the key (or file) and what was expected.
+
+Each section is a dataclass: its fields are the keys of that YAML section, each documented
+where it is declared, and its `check()` holds the bounds of its own values. `validate` runs
+every section's check, then the few checks that relate keys of different sections. A new key
+is one field (with its comment) and, when it has bounds, one line in its section's check.
+
+Not config keys, on purpose: the speed switches `HVDTRAIN_LOSS`, `HVDTRAIN_COMPILE_SCOPE` and
+`HVDTRAIN_COMPILE_MODE` (environment variables, hvdtrain/models.py SWITCHES) are experiments that
+`hvdtrain bench compare --vary env:NAME=a,b` measures in one process, until a GPU measurement
+makes one the default or removes it; the `HVDTRAIN_TEST_*` variables are hooks of the tests
+(tests/workers/) and the fault campaign (HVDTRAIN_TEST_CHECKPOINT_PAUSE in hvdtrain/checkpoint.py).
+The config's own debug aids are train.slow_ranks and train.slow_seconds (see TrainConfig).
 """
 import dataclasses
 import math
@@ -18,98 +30,224 @@ import yaml
 from hvdtrain.errors import UserError
 
 
+def _require(ok: bool, key: str, expected: str, value):
+    """The one-line error of a value out of bounds: the key, what it expects, what it got."""
+    if not ok:
+        raise UserError(f"config key '{key}': expected {expected}, got {value!r}")
+
+
 @dataclass
 class ModelConfig:
+    """The transformer trained, and its shape when it is built from scratch. The defaults are
+    a toy model that trains in seconds on a CPU; the recipes set real shapes."""
+    # The family: "gpt2" (causal LM, transformers' GPT2LMHeadModel) or "bert" (masked LM,
+    # BertForMaskedLM).
     arch: Literal["gpt2", "bert"] = "gpt2"
-    pretrained: Optional[str] = None  # local folder or hub name to continue pretraining from
-    n_layer: int = 2
-    n_head: int = 2
-    d_model: int = 64
-    d_ff: Optional[int] = None  # default 4 * d_model
-    max_position: Optional[int] = None  # default: data.seq_len
+    # A local folder or hub name of a Hugging Face model of this arch to continue pretraining
+    # from (safetensors only); its own shape and dropout then replace the keys below. null:
+    # build a new model from them.
+    pretrained: Optional[str] = None
+    n_layer: int = 2  # transformer blocks
+    n_head: int = 2  # attention heads per block; must divide d_model
+    d_model: int = 64  # hidden size: the width of the embeddings and of every block
+    d_ff: Optional[int] = None  # width of the feed-forward layer; null: 4 * d_model (GPT-2's and BERT's ratio)
+    # Position embeddings: the longest sequence the model can take. null: data.seq_len. Set it
+    # larger in a first phase that a later phase continues at a longer seq_len (BERT's phase 2).
+    max_position: Optional[int] = None
+    # Dropout probability of the embeddings, attention and residual paths; 0.1 as GPT-2 and BERT.
+    # 0 makes runs with different world sizes comparable to rounding (the tests use it).
     dropout: float = 0.1
     compile: bool = False  # torch.compile per transformer block (keeps allreduce overlapped with backward)
+    # Recompute each block's activations in backward instead of keeping them from the forward:
+    # far less activation memory for one more forward of every block in each backward.
     activation_checkpointing: bool = False
+
+    def check(self):
+        _require(self.n_layer >= 1, "model.n_layer", "an integer >= 1", self.n_layer)
+        _require(self.n_head >= 1 and self.d_model % self.n_head == 0, "model.n_head",
+                 f"a divisor of model.d_model ({self.d_model})", self.n_head)
+        _require(0 <= self.dropout < 1, "model.dropout", "a number in [0, 1)", self.dropout)
 
 
 @dataclass
 class DataConfig:
+    """Where the text comes from, how it is tokenized, and the blocks it is cut into
+    (docs/data.md). Every key except num_workers, num_proc and cache_dir must match a
+    checkpoint's to resume from it: they decide which samples a step reads."""
     # "builtin" (offline English prose shipped with Python), "synthetic" (random tokens),
     # a local file / directory / glob (.txt .jsonl .json .csv .parquet), or a hub dataset name.
     source: str = "builtin"
-    hub_config: Optional[str] = None  # e.g. wikitext-103-raw-v1
-    split: str = "train"
+    hub_config: Optional[str] = None  # a hub dataset's configuration, e.g. wikitext-103-raw-v1
+    split: str = "train"  # a hub dataset's split to train on (local files and builtin have none)
     validation_split: Optional[str] = None  # the dataset's own split; otherwise a held-out fraction
+    # Without a validation_split: this share of the documents is held out for evaluation, chosen
+    # by a hash of each document's position (the same documents whatever the seed or the workers).
     validation_fraction: float = 0.02
+    # A hub dataset read as a stream to its end instead of being downloaded to the Hugging Face
+    # cache first. Off by default: a download is kept and reused by later runs and other tools.
     streaming: bool = False
-    text_column: str = "text"
+    text_column: str = "text"  # the column of the text in .jsonl/.json/.csv/.parquet files and hub datasets
     tokenizer: str = "train"  # "train", or a local path / hub name of a pretrained tokenizer
     vocab_size: int = 4096  # for a trained tokenizer (and synthetic data)
+    # Tokens per training block, the sequence length (and the model's positions unless
+    # model.max_position is set). Blocks are cut when the token files are read, so changing it
+    # needs no new preparation.
     seq_len: int = 128
+    # BERT only: the share of each block's tokens masked for prediction (of them 80% become
+    # [MASK], 10% a random token, 10% stay as they are); 0.15 as in BERT.
     mlm_probability: float = 0.15
-    synthetic_samples: int = 2048
-    num_workers: int = 1  # DataLoader worker processes per rank
+    synthetic_samples: int = 2048  # data.source "synthetic": training blocks made (validation: a tenth as many)
+    # DataLoader worker processes per rank; 1 keeps the next batch ready in the background, 0
+    # reads in the training process.
+    num_workers: int = 1
     # Tokenizing processes per worker; null: the cores this worker may use (os.sched_getaffinity).
     num_proc: Optional[int] = None
     max_documents: Optional[int] = None  # read at most this many documents of each split of the source
     max_tokens: Optional[int] = None  # stop preparing once the training split has this many tokens
     tokenizer_sample_mb: float = 64.0  # a trained tokenizer learns from this many million characters
-    cache_dir: Optional[str] = None  # default ~/.cache/hvdtrain
+    cache_dir: Optional[str] = None  # where the token files are kept; default ~/.cache/hvdtrain
+
+    def check(self):
+        _require(self.seq_len >= 8, "data.seq_len", "an integer >= 8", self.seq_len)
+        _require(0 < self.validation_fraction < 1, "data.validation_fraction", "a number in (0, 1)",
+                 self.validation_fraction)
+        _require(0 < self.mlm_probability < 1, "data.mlm_probability", "a number in (0, 1)", self.mlm_probability)
+        _require(self.vocab_size >= 64, "data.vocab_size", "an integer >= 64", self.vocab_size)
+        _require(self.num_workers >= 0, "data.num_workers", "an integer >= 0", self.num_workers)
+        _require(self.num_proc is None or self.num_proc >= 1, "data.num_proc", "an integer >= 1 or null",
+                 self.num_proc)
+        _require(self.max_documents is None or self.max_documents >= 1, "data.max_documents",
+                 "an integer >= 1 or null", self.max_documents)
+        _require(self.max_tokens is None or self.max_tokens >= 1, "data.max_tokens", "an integer >= 1 or null",
+                 self.max_tokens)
+        _require(self.tokenizer_sample_mb > 0, "data.tokenizer_sample_mb", "a number > 0", self.tokenizer_sample_mb)
+        _require(self.synthetic_samples >= 1, "data.synthetic_samples", "an integer >= 1", self.synthetic_samples)
 
 
 @dataclass
 class TrainConfig:
-    micro_batch_size: int = 8
+    """The optimisation: batch, steps, optimizer, learning-rate schedule, precision."""
+    micro_batch_size: int = 8  # samples per forward/backward on one worker: what fits the device's memory
+    # Micro batches per optimizer step on each worker (one gradient allreduce per step); derived
+    # instead when global_batch_size is set.
     grad_accum: int = 1
     # When set, grad_accum is derived: global = micro_batch_size * grad_accum * world_size, or
     # where the workers do not divide it so, uneven shares of it in micro batches of at most
     # micro_batch_size (see resolve_batch).
     global_batch_size: Optional[int] = None
-    max_steps: int = 100
+    max_steps: int = 100  # optimizer steps of the whole run; the schedule decays over them
     # A pause: a run that starts before this step stops cleanly after it, with a checkpoint (a
     # planned end within a time-limited allocation). A run that resumes at or past it, such as
     # the same command run again, ignores it and continues to max_steps. See last_step_of_run().
     stop_at_step: Optional[int] = None
+    # "adamw" (torch's AdamW, fused on GPUs) or "lamb" (hvdtrain.lamb, NVIDIA's LAMB for very
+    # large batches; it needs weight_decay > 0).
     optimizer: Literal["adamw", "lamb"] = "adamw"
-    lr: float = 3e-4
+    lr: float = 3e-4  # the peak learning rate, reached at the end of warmup (times lr_scaling's factor)
     min_lr_ratio: float = 0.1  # the schedule's floor as a fraction of the peak lr
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # Adam's (beta1, beta2); 0.95 as GPT-3
+    eps: float = 1e-8  # Adam's epsilon, added to the root of the second moment
+    # Decoupled weight decay of the weight matrices (biases and LayerNorm weights get none); 0.1 as GPT-3.
     weight_decay: float = 0.1
+    # With a fixed per-worker batch (global_batch_size null) the global batch grows with the
+    # workers: "linear" multiplies lr by their number (Goyal et al.), "sqrt" by its square root
+    # (gentler, often suits Adam). Must be "none" with a fixed global batch.
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"
-    warmup_steps: int = 10
+    warmup_steps: int = 10  # steps of linear warmup, from lr / warmup_steps to lr; 0: none
+    # After warmup: a "constant" rate, or a "linear" or "cosine" decay to min_lr_ratio * lr at
+    # max_steps (hvdtrain.lr_schedule).
     schedule: Literal["constant", "linear", "cosine"] = "cosine"
+    # Seeds the model's initialisation (the same on every rank), the data order and the BERT
+    # masks, and each rank's dropout stream. A resume must use the checkpoint's.
     seed: int = 1234
+    # "fp32" (matmuls in TF32 on GPUs), "bf16" autocast, or "fp16" autocast with a dynamic grad
+    # scaler. fp32 by default: the CPU tests compare runs to rounding; the GPU recipes set bf16.
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping off
     # Steps with inf/NaN gradients are skipped (with fp16: by the grad scaler) and counted; this
     # many in a row stop the run, at the step the streak reaches it (not only at log points).
     max_bad_steps: int = 10
-    # Testing aid: seconds of extra sleep per optimizer step on the ranks listed in slow_ranks.
+    # Debug aids, for the tests and scripts/bench_faults.py (a straggling rank), not for real
+    # runs: seconds of extra sleep in every step's data phase on the ranks listed in slow_ranks.
+    # They stay train.* keys because tests, campaigns and saved run configs write them so.
     slow_ranks: list[int] = field(default_factory=list)
     slow_seconds: float = 0.0
+
+    def check(self):
+        _require(self.micro_batch_size >= 1, "train.micro_batch_size", "an integer >= 1", self.micro_batch_size)
+        _require(self.grad_accum >= 1, "train.grad_accum", "an integer >= 1", self.grad_accum)
+        _require(self.global_batch_size is None or self.global_batch_size >= 1, "train.global_batch_size",
+                 "an integer >= 1 or null", self.global_batch_size)
+        _require(self.max_steps >= 1, "train.max_steps", "an integer >= 1", self.max_steps)
+        _require(self.stop_at_step is None or 1 <= self.stop_at_step <= self.max_steps, "train.stop_at_step",
+                 f"null or a step in [1, train.max_steps={self.max_steps}]", self.stop_at_step)
+        _require(self.lr > 0, "train.lr", "a number > 0", self.lr)
+        # The rate follows the global batch: scaling it with the workers is right only when the
+        # batch grows with them. With a fixed global batch it would jump on a resume elsewhere.
+        _require(self.lr_scaling == "none" or self.global_batch_size is None, "train.lr_scaling",
+                 f"'none' while train.global_batch_size is fixed ({self.global_batch_size}), since the batch then "
+                 "does not grow with the workers (or train.global_batch_size=null, to fix the per-worker batch)",
+                 self.lr_scaling)
+        _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "a number in [0, 1]", self.min_lr_ratio)
+        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "train.betas",
+                 "two numbers in [0, 1)", self.betas)
+        _require(self.warmup_steps >= 0, "train.warmup_steps", "an integer >= 0", self.warmup_steps)
+        _require(self.grad_clip >= 0, "train.grad_clip", "a number >= 0", self.grad_clip)
+        _require(self.max_bad_steps >= 1, "train.max_bad_steps", "an integer >= 1", self.max_bad_steps)
+        _require(self.weight_decay >= 0, "train.weight_decay", "a number >= 0", self.weight_decay)
+        _require(self.optimizer != "lamb" or self.weight_decay > 0, "train.weight_decay",
+                 "a number > 0 with train.optimizer 'lamb' (its trust ratio applies only to parameters with "
+                 "weight decay, as in NVIDIA's FusedLAMB: with none, LAMB is Adam)", self.weight_decay)
 
 
 @dataclass
 class HorovodConfig:
+    """How Horovod reduces the gradients, and its own tuning knobs and diagnostics."""
     # Gradients sent as fp16 and turned back (Horovod's Compression.fp16), with either
     # parallel.reduce_gradients; so is gradient_predivide_factor applied.
     compression: Literal["none", "fp16"] = "none"
+    # How the workers' gradients are combined: "average" (Horovod's default) or "sum". The
+    # token normalisation (hvdtrain.distributed.TokenNormalizer) turns either into the same
+    # step. "adasum" is refused (see check below).
     op: Literal["average", "adasum", "sum"] = "average"
+    # With op "average", Horovod divides the gradients by this factor before the sum and by
+    # (workers / factor) after it, which keeps fp16 sums in range; 1.0: divide once, after.
     gradient_predivide_factor: float = 1.0
-    fusion_threshold_mb: Optional[float] = None  # HOROVOD_FUSION_THRESHOLD
-    cycle_time_ms: Optional[float] = None  # HOROVOD_CYCLE_TIME
+    # MiB of Horovod's fusion buffer, in which small gradients travel in one allreduce
+    # (HOROVOD_FUSION_THRESHOLD); null: Horovod's default.
+    fusion_threshold_mb: Optional[float] = None
+    # Milliseconds between Horovod's background cycles, each of which sends the tensors that are
+    # ready (HOROVOD_CYCLE_TIME); null: Horovod's default.
+    cycle_time_ms: Optional[float] = None
     timeline: Optional[str] = None  # Horovod timeline of the whole run (relative paths: inside out_dir)
-    autotune: bool = False  # HOROVOD_AUTOTUNE
+    # Horovod tunes its fusion buffer, cycle time and more while the run goes (HOROVOD_AUTOTUNE);
+    # its log is copied to out_dir/horovod_autotune.csv.
+    autotune: bool = False
     # A worker that stops taking part (stuck in I/O, a deadlock, SIGSTOP) leaves the others
     # waiting in a collective for ever: after this many seconds without a finished step (or
     # evaluation or checkpoint) every worker says where it is and exits, naming the stalled rank
     # (see hvdtrain.run_control.StallWatchdog). 0: wait for ever. As torch's NCCL default, 10 min.
     stall_timeout_s: float = 600.0
 
+    def check(self):
+        _require(self.stall_timeout_s >= 0, "horovod.stall_timeout_s", "a number of seconds >= 0 (0: no limit)",
+                 self.stall_timeout_s)
+        _require(self.gradient_predivide_factor > 0, "horovod.gradient_predivide_factor", "a number > 0",
+                 self.gradient_predivide_factor)
+        if self.op == "adasum":
+            # Horovod's Adasum optimizer applies each update inside the backward hooks, before the
+            # token normalisation, fp16 unscaling and gradient clipping that every step needs.
+            raise UserError("config key 'horovod.op': 'adasum' is not supported (Horovod's Adasum optimizer steps "
+                            "inside backward, before hvdtrain's loss normalisation, clipping and fp16 unscaling); "
+                            "use 'average'")
+        _require(self.op == "average" or self.gradient_predivide_factor == 1.0,
+                 "horovod.gradient_predivide_factor", "1.0 unless horovod.op is 'average'",
+                 self.gradient_predivide_factor)
+
 
 @dataclass
 class ParallelConfig:
+    """How the model is spread over the workers beyond data parallelism (docs/pipeline.md)."""
     # Pipeline parallelism, for models that do not fit one GPU: the transformer's layers are cut
     # into this many consecutive stages on different workers (embeddings on the first, the head
     # on the last), and Horovod data parallelism runs across the copies of each stage:
@@ -117,6 +255,8 @@ class ParallelConfig:
     pipeline_stages: int = 1
     # torch.distributed.pipelining's schedule. interleaved1f1b runs stages_per_rank stages per worker.
     schedule: Literal["gpipe", "1f1b", "interleaved1f1b"] = "1f1b"
+    # Stages each worker runs: >= 2 with interleaved1f1b, whose bubble it shrinks to
+    # (p-1)/(v*m+p-1); 1 with the other schedules.
     stages_per_rank: int = 1
     # Micro batches per run of the schedule (>= pipeline_stages); each optimizer step runs
     # grad_accum micro batches, so grad_accum must be a multiple. Default: grad_accum (one run per
@@ -130,51 +270,91 @@ class ParallelConfig:
     # communicators in flight at once can hang, so the default is "after" on GPUs, "during" on CPUs.
     reduce_gradients: Optional[Literal["during", "after"]] = None
 
+    def check(self):
+        _require(self.pipeline_stages >= 1, "parallel.pipeline_stages", "an integer >= 1", self.pipeline_stages)
+        _require(self.stages_per_rank >= 1, "parallel.stages_per_rank", "an integer >= 1", self.stages_per_rank)
+        _require(self.microbatches is None or self.microbatches >= 1, "parallel.microbatches",
+                 "null or an integer >= 1", self.microbatches)
+
 
 @dataclass
 class ElasticConfig:
-    # Elastic jobs (hvdtrain launch --elastic): steps between in-memory commits of the training
-    # state. A lost worker rolls every worker back to the last commit; a commit also happens
-    # after every checkpoint (none at the run's last step), and added workers join at one.
+    """Elastic jobs (hvdtrain launch --elastic, docs/elastic.md)."""
+    # Steps between in-memory commits of the training state. A lost worker rolls every worker
+    # back to the last commit; a commit also happens after every checkpoint (none at the run's
+    # last step), and added workers join at one. 10: a reset redoes at most 10 steps, for a copy
+    # of the training state to host memory every 10 steps.
     commit_every: int = 10
+
+    def check(self):
+        _require(self.commit_every >= 1, "elastic.commit_every", "an integer >= 1", self.commit_every)
 
 
 @dataclass
 class CheckpointConfig:
+    """When checkpoints are written and kept (docs/checkpoints.md)."""
     every: int = 0  # steps between checkpoints; 0: only at the end
     keep: int = 2  # how many of the newest checkpoints to keep
     resume: bool = True  # resume from the newest checkpoint in out_dir when there is one
 
+    def check(self):
+        _require(self.every >= 0, "checkpoint.every", "an integer >= 0", self.every)
+        _require(self.keep >= 1, "checkpoint.keep", "an integer >= 1", self.keep)
+
 
 @dataclass
 class LogConfig:
+    """What is recorded of training, and how often (metrics.jsonl, TensorBoard, the console)."""
+    # Steps between records of metrics.jsonl and TensorBoard; a record holds every step's loss
+    # since the one before, and the step-time breakdown averaged over them.
     every: int = 10
     progress: bool = True  # progress bar on rank 0
-    tensorboard: bool = True
+    tensorboard: bool = True  # the records also as TensorBoard events in out_dir/tensorboard
     step_breakdown: bool = True  # data / compute / allreduce / optimizer timings per rank
     imbalance_threshold: float = 0.2  # warn when (slowest - fastest) / fastest compute passes this
     peak_tflops: Optional[float] = None  # MFU denominator; default from the GPU name
 
+    def check(self):
+        _require(self.every >= 1, "log.every", "an integer >= 1", self.every)
+
 
 @dataclass
 class EvalConfig:
+    """Evaluation on the validation blocks (also at step 0, the baseline)."""
     every: int = 0  # steps between evaluations; 0: only at the end
     batches: int = 8  # micro batches per evaluation, split across the ranks
+
+    def check(self):
+        _require(self.every >= 0, "eval.every", "an integer >= 0", self.every)
+        _require(self.batches >= 1, "eval.batches", "an integer >= 1", self.batches)
 
 
 @dataclass
 class ProfileConfig:
-    enabled: bool = False
-    ranks: list[int] = field(default_factory=lambda: [0])
+    """A profiled run (hvdtrain profile; hvdtrain.profiling): torch.profiler on some ranks,
+    written to out_dir/profile. Steps count the optimizer steps of this run (a resume counts
+    from where it starts)."""
+    enabled: bool = False  # `hvdtrain profile CONFIG` sets it
+    ranks: list[int] = field(default_factory=lambda: [0])  # the ranks that record a trace
+    # torch.profiler's schedule: skip `wait` steps (the first step carries one-time costs), run
+    # `warmup` steps with the profiler on but its records dropped (its own start-up cost), then
+    # record `active` steps: a few, which keep the trace small enough to open in a viewer.
     wait: int = 1
     warmup: int = 1
     active: int = 3
-    memory: bool = False
+    memory: bool = False  # also record memory allocations (the operator table gains memory columns)
     timeline: bool = True  # Horovod timeline for the same run
+
+    def check(self):
+        # wait and warmup < 0 are reported under profile.active too, as they always were.
+        _require(self.wait >= 0 and self.warmup >= 0 and self.active >= 1, "profile.active", "an integer >= 1",
+                 self.active)
 
 
 @dataclass
 class Config:
+    # The run folder: the resolved config, metrics.jsonl, checkpoints and the hf/ export at the
+    # end. The same command run again resumes from it.
     out_dir: str = "runs/default"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -329,83 +509,19 @@ def config_from_dict(tree: dict) -> Config:
     return cfg
 
 
-def _require(ok: bool, key: str, expected: str, value):
-    if not ok:
-        raise UserError(f"config key '{key}': expected {expected}, got {value!r}")
-
-
 def validate(cfg: Config):
-    """Value checks that types alone cannot express. Checks that need the data or the world
-    size (e.g. global batch larger than the dataset) happen where those are known."""
-    t, d, m = cfg.train, cfg.data, cfg.model
-    _require(t.micro_batch_size >= 1, "train.micro_batch_size", "an integer >= 1", t.micro_batch_size)
-    _require(t.grad_accum >= 1, "train.grad_accum", "an integer >= 1", t.grad_accum)
-    _require(t.global_batch_size is None or t.global_batch_size >= 1, "train.global_batch_size",
-             "an integer >= 1 or null", t.global_batch_size)
-    _require(t.max_steps >= 1, "train.max_steps", "an integer >= 1", t.max_steps)
-    _require(t.stop_at_step is None or 1 <= t.stop_at_step <= t.max_steps, "train.stop_at_step",
-             f"null or a step in [1, train.max_steps={t.max_steps}]", t.stop_at_step)
-    _require(t.lr > 0, "train.lr", "a number > 0", t.lr)
-    # The rate follows the global batch: scaling it with the workers is right only when the
-    # batch grows with them. With a fixed global batch it would jump on a resume elsewhere.
-    _require(t.lr_scaling == "none" or t.global_batch_size is None, "train.lr_scaling",
-             f"'none' while train.global_batch_size is fixed ({t.global_batch_size}), since the batch then "
-             "does not grow with the workers (or train.global_batch_size=null, to fix the per-worker batch)",
-             t.lr_scaling)
-    _require(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", "a number in [0, 1]", t.min_lr_ratio)
-    _require(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", "two numbers in [0, 1)", t.betas)
-    _require(t.warmup_steps >= 0, "train.warmup_steps", "an integer >= 0", t.warmup_steps)
-    _require(t.grad_clip >= 0, "train.grad_clip", "a number >= 0", t.grad_clip)
-    _require(t.max_bad_steps >= 1, "train.max_bad_steps", "an integer >= 1", t.max_bad_steps)
-    _require(t.weight_decay >= 0, "train.weight_decay", "a number >= 0", t.weight_decay)
-    _require(t.optimizer != "lamb" or t.weight_decay > 0, "train.weight_decay",
-             "a number > 0 with train.optimizer 'lamb' (its trust ratio applies only to parameters with "
-             "weight decay, as in NVIDIA's FusedLAMB: with none, LAMB is Adam)", t.weight_decay)
-    _require(d.seq_len >= 8, "data.seq_len", "an integer >= 8", d.seq_len)
-    _require(0 < d.validation_fraction < 1, "data.validation_fraction", "a number in (0, 1)", d.validation_fraction)
-    _require(0 < d.mlm_probability < 1, "data.mlm_probability", "a number in (0, 1)", d.mlm_probability)
-    _require(d.vocab_size >= 64, "data.vocab_size", "an integer >= 64", d.vocab_size)
-    _require(d.num_workers >= 0, "data.num_workers", "an integer >= 0", d.num_workers)
-    _require(d.num_proc is None or d.num_proc >= 1, "data.num_proc", "an integer >= 1 or null", d.num_proc)
-    _require(d.max_documents is None or d.max_documents >= 1, "data.max_documents", "an integer >= 1 or null",
-             d.max_documents)
-    _require(d.max_tokens is None or d.max_tokens >= 1, "data.max_tokens", "an integer >= 1 or null", d.max_tokens)
-    _require(d.tokenizer_sample_mb > 0, "data.tokenizer_sample_mb", "a number > 0", d.tokenizer_sample_mb)
-    _require(d.synthetic_samples >= 1, "data.synthetic_samples", "an integer >= 1", d.synthetic_samples)
-    _require(m.n_layer >= 1, "model.n_layer", "an integer >= 1", m.n_layer)
-    _require(m.n_head >= 1 and m.d_model % m.n_head == 0, "model.n_head",
-             f"a divisor of model.d_model ({m.d_model})", m.n_head)
-    _require(0 <= m.dropout < 1, "model.dropout", "a number in [0, 1)", m.dropout)
+    """Value checks that types alone cannot express: every section's own `check()`, then the
+    checks that relate keys of different sections. Checks that need the data or the world size
+    (e.g. global batch larger than the dataset) happen where those are known."""
+    for section in dataclasses.fields(cfg):
+        value = getattr(cfg, section.name)
+        if dataclasses.is_dataclass(value):
+            value.check()
+    m, d, par = cfg.model, cfg.data, cfg.parallel
     _require(m.max_position is None or m.max_position >= d.seq_len, "model.max_position",
              f"null or >= data.seq_len ({d.seq_len})", m.max_position)
-    _require(cfg.checkpoint.every >= 0, "checkpoint.every", "an integer >= 0", cfg.checkpoint.every)
-    _require(cfg.checkpoint.keep >= 1, "checkpoint.keep", "an integer >= 1", cfg.checkpoint.keep)
-    _require(cfg.log.every >= 1, "log.every", "an integer >= 1", cfg.log.every)
-    _require(cfg.eval.every >= 0, "eval.every", "an integer >= 0", cfg.eval.every)
-    _require(cfg.eval.batches >= 1, "eval.batches", "an integer >= 1", cfg.eval.batches)
-    _require(cfg.horovod.stall_timeout_s >= 0, "horovod.stall_timeout_s", "a number of seconds >= 0 (0: no limit)",
-             cfg.horovod.stall_timeout_s)
-    _require(cfg.horovod.gradient_predivide_factor > 0, "horovod.gradient_predivide_factor", "a number > 0",
-             cfg.horovod.gradient_predivide_factor)
-    par = cfg.parallel
-    _require(par.pipeline_stages >= 1, "parallel.pipeline_stages", "an integer >= 1", par.pipeline_stages)
-    _require(par.stages_per_rank >= 1, "parallel.stages_per_rank", "an integer >= 1", par.stages_per_rank)
-    _require(par.microbatches is None or par.microbatches >= 1, "parallel.microbatches", "null or an integer >= 1",
-             par.microbatches)
     _require(par.pipeline_stages * par.stages_per_rank <= m.n_layer or m.pretrained, "parallel.pipeline_stages",
              f"at most model.n_layer={m.n_layer} stages in all (x parallel.stages_per_rank)", par.pipeline_stages)
-    _require(cfg.elastic.commit_every >= 1, "elastic.commit_every", "an integer >= 1", cfg.elastic.commit_every)
-    if cfg.horovod.op == "adasum":
-        # Horovod's Adasum optimizer applies each update inside the backward hooks, before the
-        # token normalisation, fp16 unscaling and gradient clipping that every step needs.
-        raise UserError("config key 'horovod.op': 'adasum' is not supported (Horovod's Adasum optimizer steps "
-                        "inside backward, before hvdtrain's loss normalisation, clipping and fp16 unscaling); "
-                        "use 'average'")
-    _require(cfg.horovod.op == "average" or cfg.horovod.gradient_predivide_factor == 1.0,
-             "horovod.gradient_predivide_factor", "1.0 unless horovod.op is 'average'",
-             cfg.horovod.gradient_predivide_factor)
-    p = cfg.profile
-    _require(p.wait >= 0 and p.warmup >= 0 and p.active >= 1, "profile.active", "an integer >= 1", p.active)
 
 
 def resolve_batch(cfg: Config, world_size: int) -> tuple[int, int]:
