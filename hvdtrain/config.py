@@ -16,11 +16,12 @@ from typing import Literal, Optional
 import yaml
 
 from hvdtrain.errors import UserError
+from hvdtrain.families import NAMES as FAMILY_NAMES
 
 
 @dataclass
 class ModelConfig:
-    arch: Literal["gpt2", "bert"] = "gpt2"
+    arch: Literal[FAMILY_NAMES] = "gpt2"  # the model family (hvdtrain.families)
     pretrained: Optional[str] = None  # local folder or hub name to continue pretraining from
     n_layer: int = 2
     n_head: int = 2
