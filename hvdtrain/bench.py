@@ -33,6 +33,7 @@ from hvdtrain import flops, launch, metrics, report
 from hvdtrain.bench_common import RESULT_TAG, parse_ints, proc_status_bytes
 from hvdtrain.config import Config, load_config, resolve_batch
 from hvdtrain.errors import UserError
+from hvdtrain.families import family
 
 # torch, Horovod and the modules that import them are imported by the commands that need them:
 # the CLI imports this module to list its subcommands, and `hvdtrain --help` should not wait for
@@ -177,7 +178,7 @@ def plain_window(cfg: Config, data, steps: list[list[dict]], device, compiled: b
     autocast = torch.autocast(device.type, dtype=torch.bfloat16 if t.precision == "bf16" else torch.float16,
                               enabled=t.precision != "fp32")
     scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
-    causal = cfg.model.arch == "gpt2"
+    causal = family(cfg.model.arch).causal
 
     def step(micro_batches):
         for mb in micro_batches:

@@ -28,6 +28,7 @@ from typing import Literal, Optional
 import yaml
 
 from hvdtrain.errors import UserError
+from hvdtrain.families import NAMES as FAMILY_NAMES
 
 
 def _require(ok: bool, key: str, expected: str, value):
@@ -40,9 +41,9 @@ def _require(ok: bool, key: str, expected: str, value):
 class ModelConfig:
     """The transformer trained, and its shape when it is built from scratch. The defaults are
     a toy model that trains in seconds on a CPU; the recipes set real shapes."""
-    # The family: "gpt2" (causal LM, transformers' GPT2LMHeadModel) or "bert" (masked LM,
-    # BertForMaskedLM).
-    arch: Literal["gpt2", "bert"] = "gpt2"
+    # The model family (hvdtrain.families): "gpt2" (causal LM, transformers' GPT2LMHeadModel)
+    # or "bert" (masked LM, BertForMaskedLM).
+    arch: Literal[FAMILY_NAMES] = "gpt2"
     # A local folder or hub name of a Hugging Face model of this arch to continue pretraining
     # from (safetensors only); its own shape and dropout then replace the keys below. null:
     # build a new model from them.

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 from hvdtrain.errors import UserError
+from hvdtrain.families import family_of_model_type
 from hvdtrain.paths import check_writable_folder, written_whole
 
 
@@ -39,7 +40,8 @@ def save_hf(model, tokenizer_dir: Path | None, out: Path):
 
 def load_checkpoint_model(ckpt: Path):
     """The model of a checkpoint folder, rebuilt from its config.json and weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
+    import transformers
+    from transformers import AutoConfig
 
     from hvdtrain import checkpoint
 
@@ -48,7 +50,8 @@ def load_checkpoint_model(ckpt: Path):
         config = AutoConfig.from_pretrained(ckpt, trust_remote_code=False)
     except ValueError as e:  # e.g. a model type only the folder's own code would build
         raise UserError(f"'{ckpt}': could not read config.json ({' '.join(str(e).split())})") from None
-    auto = AutoModelForMaskedLM if config.model_type == "bert" else AutoModelForCausalLM
+    found = family_of_model_type(config.model_type)
+    auto = getattr(transformers, found.auto_class if found else "AutoModelForCausalLM")
     model = auto.from_config(config, trust_remote_code=False)
     checkpoint.load_weights(model, ckpt)
     return model

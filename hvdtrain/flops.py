@@ -11,8 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-# HF BertConfig.type_vocab_size: the segment A / segment B embedding rows.
-BERT_TOKEN_TYPES = 2
+from hvdtrain.families import family, family_of_model_type
 
 
 def model_dims(cfg) -> dict:
@@ -24,52 +23,23 @@ def model_dims(cfg) -> dict:
 
 
 def built_model_dims(config) -> Optional[dict]:
-    """The shape of a model that exists, from its transformers config (GPT2Config or
-    BertConfig): keyword arguments for count_params and flops_params. Training counts FLOPs
+    """The shape of a model that exists, from its transformers config (e.g. GPT2Config):
+    keyword arguments for count_params and flops_params. Training counts FLOPs
     from this rather than from model_dims(cfg): a `model.pretrained` checkpoint has its own
     sizes, which the model.* keys do not describe, and a model built here has its vocabulary
     padded to a multiple of 64. None for another model type (a pretrained model of another
     family), whose parameters these formulas do not count."""
-    if config.model_type == "gpt2":
-        return dict(arch="gpt2", n_layer=config.n_layer, d_model=config.n_embd,
-                    d_ff=config.n_inner or 4 * config.n_embd, vocab_size=config.vocab_size,
-                    max_position=config.n_positions, tied_embeddings=config.tie_word_embeddings)
-    if config.model_type == "bert":
-        return dict(arch="bert", n_layer=config.num_hidden_layers, d_model=config.hidden_size,
-                    d_ff=config.intermediate_size, vocab_size=config.vocab_size,
-                    max_position=config.max_position_embeddings, tied_embeddings=config.tie_word_embeddings)
-    return None
+    found = family_of_model_type(config.model_type)
+    return None if found is None else dict(arch=found.name, **found.shape_of(config))
 
 
 def count_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: int, max_position: int,
                  tied_embeddings: bool = True) -> int:
-    """Parameters of HF GPT2LMHeadModel / BertForMaskedLM, counted as
-    `sum(p.numel() for p in model.parameters())` counts them (a tied weight once).
-
-    A transformer layer is the same in both: Q, K, V and output projections with biases
-    (4d^2 + 4d), two MLP linears with biases (2·d·d_ff + d_ff + d), two LayerNorms (4d).
-    """
-    d, f, v = d_model, d_ff, vocab_size
-    layer = (4 * d * d + 4 * d) + (2 * d * f + f + d) + 2 * (2 * d)
-    if arch == "gpt2":
-        embeddings = v * d + max_position * d  # wte, wpe
-        head = 2 * d  # final LayerNorm ln_f; lm_head is wte itself (no bias) when tied
-    elif arch == "bert":
-        # word, position, token-type embeddings and their LayerNorm
-        embeddings = v * d + max_position * d + BERT_TOKEN_TYPES * d + 2 * d
-        # MLM head: transform dense + LayerNorm, then the decoder (wte when tied) with its own bias.
-        # BertForMaskedLM builds BertModel(add_pooling_layer=False): no pooler.
-        head = (d * d + d) + 2 * d + v
-    else:
-        raise ValueError(f"unknown arch {arch!r}")
-    untied_output = 0
-    if not tied_embeddings:
-        untied_output = v * d
-        if arch == "bert":
-            # transformers 5 ties the decoder's bias to cls.predictions.bias only together with
-            # the weight: untied, the decoder keeps its own bias (4.x always shared it).
-            untied_output += v
-    return embeddings + n_layer * layer + head + untied_output
+    """Parameters of the family's model (e.g. HF GPT2LMHeadModel), counted as
+    `sum(p.numel() for p in model.parameters())` counts them (a tied weight once)."""
+    parts = family(arch).parameter_counts(d_model, d_ff, vocab_size, max_position)
+    untied_output = 0 if tied_embeddings else parts.untied_output
+    return parts.embeddings + n_layer * parts.layer + parts.head + untied_output
 
 
 def stage_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: int, max_position: int,
@@ -82,40 +52,31 @@ def stage_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: i
     "flops_params" (its share of flops_params' N). With more than one stage the last stage holds
     its own copy of the tied embedding/output matrix (hvdtrain.pipeline keeps the copies equal),
     so the stages hold V·d more parameters than the model; with one stage both counts are those
-    of count_params and flops_params. The head (GPT-2's ln_f and lm_head; BERT's MLM transform,
-    decoder and bias) counts with `head_fraction` in flops_params, as there."""
-    d, f, v = d_model, d_ff, vocab_size
-    layer = (4 * d * d + 4 * d) + (2 * d * f + f + d) + 2 * (2 * d)
-    if arch == "gpt2":
-        embeddings, embeddings_flops = v * d + max_position * d, 0  # wte, wpe: lookups
-        head_own = 2 * d  # ln_f; lm_head is the tied matrix
-    elif arch == "bert":
-        # word, position, token-type embeddings (lookups) and their LayerNorm (in flops_params' N)
-        embeddings, embeddings_flops = v * d + max_position * d + BERT_TOKEN_TYPES * d + 2 * d, 2 * d
-        head_own = (d * d + d) + 2 * d + v  # MLM transform, its LayerNorm, the decoder's bias
-    else:
-        raise ValueError(f"unknown arch {arch!r}")
+    of count_params and flops_params. The head (e.g. GPT-2's ln_f and lm_head; BERT's MLM
+    transform, decoder and bias) counts with `head_fraction` in flops_params, as there."""
+    parts = family(arch).parameter_counts(d_model, d_ff, vocab_size, max_position)
+    v, d = vocab_size, d_model
     n = len(bounds) - 1
     stages = []
     for i in range(n):
         layers = bounds[i + 1] - bounds[i]
-        params, flops_n = layers * layer, float(layers * layer)
+        params, flops_n = layers * parts.layer, float(layers * parts.layer)
         if i == 0:
-            params += embeddings
-            flops_n += embeddings_flops
+            params += parts.embeddings
+            flops_n += parts.embeddings - parts.lookups  # e.g. BERT's embedding LayerNorm
         if i == n - 1:
             # the output matrix: the embedding itself on a single stage, else the last stage's copy
-            params += head_own + (v * d if n > 1 else 0)
-            flops_n += head_fraction * (head_own + v * d)
+            params += parts.head + (v * d if n > 1 else 0)
+            flops_n += head_fraction * (parts.head + v * d)
         stages.append({"layers": layers, "params": params, "flops_params": flops_n})
     return stages
 
 
 def head_fraction(cfg) -> float:
     """Share of positions whose hidden state goes through the output head (the vocabulary
-    projection): all of them for GPT-2; for BERT only the masked ones, data.mlm_probability on
-    average, since hvdtrain projects only those (models.logits_and_labels)."""
-    return cfg.data.mlm_probability if cfg.model.arch == "bert" else 1.0
+    projection): all of them for a causal LM; for a masked LM only the masked ones,
+    data.mlm_probability on average, since hvdtrain projects only those (models.head_inputs)."""
+    return 1.0 if family(cfg.model.arch).causal else cfg.data.mlm_probability
 
 
 def flops_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: int, max_position: int,
@@ -132,12 +93,11 @@ def flops_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: i
     `head_fraction`, the share of positions it runs on (see head_fraction(cfg)).
     """
     total = count_params(arch, n_layer, d_model, d_ff, vocab_size, max_position, tied_embeddings)
-    lookups = max_position * d_model + (BERT_TOKEN_TYPES * d_model if arch == "bert" else 0)
-    if not tied_embeddings:
-        lookups += vocab_size * d_model  # the input table; the separate output projection stays
-    head = vocab_size * d_model
-    if arch == "bert":
-        head += (d_model * d_model + d_model) + 2 * d_model + vocab_size
+    parts = family(arch).parameter_counts(d_model, d_ff, vocab_size, max_position)
+    # The token table is the output projection when tied: a matmul, not a lookup. Untied, the
+    # input table is a lookup and the separate output projection stays.
+    lookups = parts.lookups - (vocab_size * d_model if tied_embeddings else 0)
+    head = vocab_size * d_model + parts.head
     return total - lookups - (1 - head_fraction) * head
 
 

@@ -1,8 +1,8 @@
-"""The two model families, built with Hugging Face transformers, and the training loss.
+"""The models hvdtrain trains, built with Hugging Face transformers, and the training loss.
 
-GPT-2 (causal LM) and BERT (masked LM) are built from the config for training from scratch,
-or loaded from `model.pretrained` to continue pretraining. Attention goes through PyTorch's
-scaled_dot_product_attention. The training loop sums the token losses itself
+A model of the family `model.arch` names (hvdtrain.families: GPT-2, BERT) is built from the
+config for training from scratch, or loaded from `model.pretrained` to continue pretraining.
+Attention goes through PyTorch's scaled_dot_product_attention. The training loop sums the token losses itself
 (`token_loss_sum`), so it can normalise by the number of targets in the whole optimizer step.
 """
 import os
@@ -12,6 +12,7 @@ import torch
 
 from hvdtrain.config import ModelConfig
 from hvdtrain.errors import UserError
+from hvdtrain.families import family, family_of
 
 IGNORE_INDEX = -100  # label of positions that are not predicted (the convention of transformers)
 # The embedding / output matrix gets a multiple of 64 rows (nanoGPT's 50257 -> 50304): tensor
@@ -37,34 +38,18 @@ class Vocab:
 
 
 def build_model(cfg: ModelConfig, vocab: Vocab, seq_len: int) -> torch.nn.Module:
+    """A new model of `cfg`'s family and shape (or `model.pretrained`), on the CPU."""
     if cfg.pretrained:
         return load_pretrained(cfg, seq_len)
-    from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
-
-    positions = cfg.max_position or seq_len
-    d_ff = cfg.d_ff or 4 * cfg.d_model
     rows = -(-vocab.size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    if cfg.arch == "gpt2":
-        config = GPT2Config(vocab_size=rows, n_positions=positions, n_embd=cfg.d_model, n_layer=cfg.n_layer,
-                            n_head=cfg.n_head, n_inner=d_ff, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
-                            attn_pdrop=cfg.dropout, bos_token_id=vocab.bos_id, eos_token_id=vocab.eos_id,
-                            # GPT-2's tanh GELU as one kernel: same values as "gelu_new", which
-                            # runs as several small ops and keeps their outputs for backward
-                            activation_function="gelu_pytorch_tanh")
-        config._attn_implementation = "sdpa"
-        return GPT2LMHeadModel(config)
-    config = BertConfig(vocab_size=rows, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layer,
-                        num_attention_heads=cfg.n_head, intermediate_size=d_ff, hidden_dropout_prob=cfg.dropout,
-                        attention_probs_dropout_prob=cfg.dropout, max_position_embeddings=positions,
-                        pad_token_id=vocab.pad_id)
-    config._attn_implementation = "sdpa"
-    return BertForMaskedLM(config)
+    return family(cfg.arch).modeling().build(cfg, vocab, rows, positions=cfg.max_position or seq_len,
+                                             d_ff=cfg.d_ff or 4 * cfg.d_model)
 
 
 def load_pretrained(cfg: ModelConfig, seq_len: int) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+    import transformers
 
-    auto = AutoModelForCausalLM if cfg.arch == "gpt2" else AutoModelForMaskedLM
+    auto = getattr(transformers, family(cfg.arch).auto_class)
     try:
         # Weights from safetensors only: a pickled pytorch_model.bin can run code when loaded;
         # and no Python code from the folder or the hub (a config's auto_map).
@@ -73,6 +58,9 @@ def load_pretrained(cfg: ModelConfig, seq_len: int) -> torch.nn.Module:
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"model.pretrained '{cfg.pretrained}': could not load ({first})") from None
+    if model.config.model_type not in family(cfg.arch).model_types:
+        raise UserError(f"model.pretrained '{cfg.pretrained}' is a {model.config.model_type} model, not of the "
+                        f"family model.arch={cfg.arch}; set model.arch to the folder's family")
     positions = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     if positions is not None and positions < seq_len:
         raise UserError(f"model.pretrained '{cfg.pretrained}' has {positions} positions, fewer than "
@@ -82,14 +70,12 @@ def load_pretrained(cfg: ModelConfig, seq_len: int) -> torch.nn.Module:
 
 def transformer_blocks(model) -> torch.nn.ModuleList:
     """The repeated layers: the unit for torch.compile and activation checkpointing."""
-    if hasattr(model, "transformer"):
-        return model.transformer.h
-    return model.bert.encoder.layer
+    return family_of(model).modeling().blocks(model)
 
 
 def model_body(model) -> torch.nn.Module:
-    """Everything before the output head: GPT2Model or BertModel."""
-    return model.transformer if hasattr(model, "transformer") else model.bert
+    """Everything before the output head (GPT2Model, BertModel)."""
+    return family_of(model).modeling().body(model)
 
 
 # ---------------------------------------------------------------- switches for `bench compare`
@@ -141,29 +127,10 @@ def head_inputs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """(features, targets): the (positions, d_model) inputs of the vocabulary projection
     `model.get_output_embeddings()` and their labels.
 
-    Labels are already aligned with the model's outputs (the collator shifts GPT labels), so
-    GPT and BERT share the loss. For BERT only the masked positions go through the head (its
-    transform and the projection): the other ~85% would be computed and thrown away. When the
-    batch carries `num_targets` (a Python int, as the collator makes it), they are picked
-    without the device-to-host copy that sizing `hidden[mask]` costs."""
-    labels = batch["labels"]
-    if not hasattr(model, "bert"):
-        hidden = model.transformer(input_ids=batch["input_ids"]).last_hidden_state
-        return hidden.flatten(0, 1), labels.flatten()
-    hidden = model.bert(input_ids=batch["input_ids"]).last_hidden_state.flatten(0, 1)
-    labels = labels.flatten()
-    picked = labels != IGNORE_INDEX
-    index = None
-    if isinstance(batch.get("num_targets"), int):
-        try:
-            index = torch.nonzero_static(picked, size=batch["num_targets"]).squeeze(1)
-        except NotImplementedError:  # a device without the operator: the mask, with its copy
-            index = None
-    if index is not None:
-        hidden, labels = hidden.index_select(0, index), labels.index_select(0, index)
-    else:
-        hidden, labels = hidden[picked], labels[picked]
-    return model.cls.predictions.transform(hidden), labels
+    Labels are already aligned with the model's outputs (the collator shifts causal LM
+    labels), so every family shares the loss. Which positions go through the head is the
+    family's choice (a masked LM projects only the masked ones)."""
+    return family_of(model).modeling().head_inputs(model, batch)
 
 
 def logits_and_labels(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

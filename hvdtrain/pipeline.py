@@ -41,6 +41,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from hvdtrain.errors import UserError
+from hvdtrain.families import family_of
 from hvdtrain.models import IGNORE_INDEX
 # The torch-free arithmetic (split, schedule checks, ideal bubble) lives in pipeline_split, for
 # `hvdtrain plan`; its names are part of this module's API too.
@@ -187,21 +188,21 @@ class StageModule(nn.Module):
     `tied` maps names to the parameters that are one tied parameter in the whole model
     (embedding and output matrix) but whose other half lives on another rank: the first stage
     holds the original, the last stage a copy that starts equal; allreduce_tied_grads keeps
-    them equal. Ties within one rank stay shared parameters."""
-    LAYERS: str        # path of the layer ModuleList
-    FIRST_ONLY: tuple  # modules only the first stage keeps
-    LAST_ONLY: tuple   # modules only the last stage keeps
+    them equal. Ties within one rank stay shared parameters.
+
+    What to keep and the steps around the layers are the family's (its modeling.STAGE)."""
 
     def __init__(self, model: nn.Module, layout: Layout, bounds: list[int]):
         super().__init__()
         if len(bounds) != layout.num_stages + 1:
             raise ValueError(f"{len(bounds)} layer bounds for {layout.num_stages} pipeline stages")
+        self.parts = parts = family_of(model).modeling().STAGE
         ties = _tied_names(model)
         owned = [i for s in layout.stage_ids for i in range(bounds[s], bounds[s + 1])]
-        parent, name = self._parent(model, self.LAYERS)
+        parent, name = self._parent(model, parts.layers)
         layers = getattr(parent, name)
         setattr(parent, name, nn.ModuleDict({str(i): layers[i] for i in owned}))
-        for path in (() if layout.is_first else self.FIRST_ONLY) + (() if layout.is_last else self.LAST_ONLY):
+        for path in (() if layout.is_first else parts.first_only) + (() if layout.is_last else parts.last_only):
             parent, name = self._parent(model, path)
             setattr(parent, name, None)
         for name, child in model.named_children():  # the same top-level names as the model
@@ -228,7 +229,7 @@ class StageModule(nn.Module):
     @property
     def layers(self) -> nn.ModuleDict:
         """This rank's transformer layers, keyed by their index in the whole model."""
-        return self.get_submodule(self.LAYERS)
+        return self.get_submodule(self.parts.layers)
 
     def _run_stage(self, layer_ids: range, first: bool, last: bool, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x) if first else x
@@ -239,47 +240,14 @@ class StageModule(nn.Module):
         return self.final_norm(h) if last else h
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        return self.parts.embed(self, input_ids)
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden
+        return self.parts.final_norm(self, hidden)
 
     def logits_and_labels(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat (positions, vocab) logits and their labels, as models.logits_and_labels."""
-        raise NotImplementedError
-
-
-class GPTStage(StageModule):
-    LAYERS = "transformer.h"
-    FIRST_ONLY = ("transformer.wte", "transformer.wpe")
-    LAST_ONLY = ("transformer.ln_f", "lm_head")
-
-    def embed(self, input_ids):
-        # GPT2Model's own steps. No attention mask: the blocks then attend causally, as
-        # GPT2Model does for unpadded blocks.
-        t = self.transformer
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        return t.drop(t.wte(input_ids) + t.wpe(positions))
-
-    def final_norm(self, hidden):
-        return self.transformer.ln_f(hidden)
-
-    def logits_and_labels(self, hidden, labels):
-        return self.lm_head(hidden).flatten(0, 1), labels.flatten()
-
-
-class BertStage(StageModule):
-    LAYERS = "bert.encoder.layer"
-    FIRST_ONLY = ("bert.embeddings",)
-    LAST_ONLY = ("cls",)
-
-    def embed(self, input_ids):
-        # Packed BERT blocks have no padding, so no attention mask: full attention, as BertModel.
-        return self.bert.embeddings(input_ids=input_ids)
-
-    def logits_and_labels(self, hidden, labels):
-        picked = labels != IGNORE_INDEX  # the vocabulary projection on masked positions only
-        return self.cls(hidden[picked]), labels[picked]
+        return self.parts.head_logits(self, hidden, labels)
 
 
 class _Chunk(nn.Module):
@@ -303,15 +271,11 @@ def _tied_names(model: nn.Module) -> list[list[str]]:
 
 
 def split_model(model: nn.Module, layout: Layout, bounds: list[int]) -> StageModule:
-    """This rank's StageModule of a GPT2LMHeadModel or BertForMaskedLM (see stage_bounds).
+    """This rank's StageModule of a model of one of hvdtrain's families (see stage_bounds).
 
     Build the whole model with the same seed on every rank first, so every stage starts from
     the unsplit model's weights. The model is taken apart in place (no copy)."""
-    if hasattr(model, "transformer"):
-        return GPTStage(model, layout, bounds)
-    if hasattr(model, "bert"):
-        return BertStage(model, layout, bounds)
-    raise ValueError(f"no pipeline split for {type(model).__name__}")
+    return StageModule(model, layout, bounds)
 
 
 def tied_parameters(stage: StageModule) -> dict[str, nn.Parameter]:

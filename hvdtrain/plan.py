@@ -40,6 +40,7 @@ from typing import Optional
 from hvdtrain import metrics
 from hvdtrain.config import load_config, resolve_batch
 from hvdtrain.errors import UserError
+from hvdtrain.families import family
 from hvdtrain.flops import (count_params, find_gpu, flops_params, head_fraction, mfu, model_dims,
                             model_flops_per_token, peak_tflops, stage_params)
 from hvdtrain.pipeline_split import INTERLEAVED, check_schedule, ideal_bubble, stage_bounds
@@ -217,13 +218,9 @@ def read_step_time(run_dir: str) -> float:
 
 
 def _parameter_tensors(arch: str, n_layer: int) -> int:
-    """How many parameter tensors the model has: the allreduce count with tensor fusion off.
-    Weight and bias of each of a layer's 6 modules in GPT-2 (ln_1, fused QKV c_attn, c_proj,
-    ln_2, c_fc, mlp c_proj) and 8 in BERT (query, key, value, output dense, 2 LayerNorms,
-    2 MLP linears)."""
-    if arch == "gpt2":
-        return 12 * n_layer + 4  # wte, wpe, ln_f weight and bias
-    return 16 * n_layer + 10  # 3 embeddings + LayerNorm (2); head bias, dense (2), LayerNorm (2)
+    """How many parameter tensors the model has: the allreduce count with tensor fusion off."""
+    spec = family(arch)
+    return spec.tensors_per_layer * n_layer + spec.other_tensors
 
 
 def step_comm(cfg, workers: int, net_gbps: float, latency_s: float) -> dict:
@@ -442,7 +439,7 @@ def pipeline_plan(cfg, stages: int, gpus: int, budget: float, net_gbps: float, l
         comm_s = 0.0
         for r in ranks:
             nbytes = gradient_bytes(r["params"], cfg.horovod.compression)
-            tensors = 16 if cfg.model.arch == "bert" else 12
+            tensors = family(cfg.model.arch).tensors_per_layer
             n_allreduces = (math.ceil(nbytes / fusion) if fusion > 0
                             else tensors * sum(e - b for b, e in r["layers"]) + 4)
             comm_s = max(comm_s, ring_allreduce_seconds(nbytes, batches["copies"], net_gbps, latency_s, n_allreduces))

@@ -135,3 +135,11 @@ def test_a_pretrained_tokenizer_never_runs_the_folder_s_code(tmp_path, capsys):
         _pretrained(str(folder))
     assert "[y/N]" not in capsys.readouterr().out
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("arch,folder_arch", [("gpt2", "bert"), ("bert", "gpt2")])
+def test_a_pretrained_folder_of_another_family_is_refused(tmp_path, arch, folder_arch):
+    folder = model_folder(tmp_path / "model", folder_arch)
+    with pytest.raises(UserError, match=f"model.pretrained '{folder}'") as refused:
+        load_pretrained(ModelConfig(arch=arch, pretrained=str(folder)), seq_len=16)
+    assert len(str(refused.value).splitlines()) == 1

@@ -18,6 +18,7 @@ from hvdtrain.data import preparation
 from hvdtrain.data.collate import CausalLMCollator, MaskedLMCollator
 from hvdtrain.data.randomness import permute
 from hvdtrain.data.token_files import TokenStream, check_split, read_index
+from hvdtrain.families import family
 from hvdtrain.errors import UserError
 from hvdtrain.models import Vocab
 from hvdtrain.sampler import STAND_IN
@@ -105,13 +106,13 @@ def synthetic_blocks(n: int, seq_len: int, vocab_size: int, seed: int, arch: str
     stride = rng.integers(1, 4, size=(n, 1))
     ordinary = vocab_size - SYNTHETIC_SPECIALS
     blocks = SYNTHETIC_SPECIALS + (start + stride * np.arange(seq_len)) % ordinary
-    if arch == "bert":
-        blocks[:, 0], blocks[:, -1] = 2, 3  # [CLS] ... [SEP]
+    if not family(arch).causal:  # a masked LM's block: [CLS] ... [SEP]
+        blocks[:, 0], blocks[:, -1] = 2, 3
     return blocks.astype(np.int32)
 
 
 def synthetic_vocab(cfg: Config) -> Vocab:
-    if cfg.model.arch == "gpt2":
+    if family(cfg.model.arch).causal:
         return Vocab(size=cfg.data.vocab_size, pad_id=0, bos_id=1, eos_id=1)
     return Vocab(size=cfg.data.vocab_size, pad_id=0, cls_id=2, sep_id=3, mask_id=4)
 
@@ -132,9 +133,9 @@ def text_blocks(cfg: Config, seed: int) -> tuple[TokenBlocks, TokenBlocks, objec
     hit = read_index(plan.folder) is not None
     index = preparation.prepare(plan, num_proc=cfg.data.num_proc, progress=cfg.log.progress)
     seq_len, tokenizer = cfg.data.seq_len, plan.tokenizer
-    if cfg.model.arch == "gpt2":
+    if family(cfg.model.arch).causal:
         layout = {"width": seq_len}
-    else:
+    else:  # a masked LM sees [CLS] block [SEP]
         layout = {"width": seq_len - 2, "prefix": (tokenizer.cls_token_id,), "suffix": (tokenizer.sep_token_id,)}
     blocks = []
     for split in ("train", "validation"):
@@ -162,5 +163,5 @@ def build_data(cfg: Config, seed: int) -> DataBundle:
     else:
         train, val, tokenizer = text_blocks(cfg, seed)
         vocab = tokenizer_vocab(tokenizer)
-    collate = CausalLMCollator() if arch == "gpt2" else MaskedLMCollator(vocab, cfg.data.mlm_probability, seed)
+    collate = CausalLMCollator() if family(arch).causal else MaskedLMCollator(vocab, cfg.data.mlm_probability, seed)
     return DataBundle(train, val, vocab, collate, tokenizer)

@@ -35,6 +35,7 @@ from hvdtrain.data.token_files import (FORMAT, INDEX, check_file, read_index, re
 from hvdtrain.data.tokenizer import load_or_train_tokenizer, tokenizer_fingerprint
 from hvdtrain.data.tokenizing import TokenizingProcesses
 from hvdtrain.errors import UserError
+from hvdtrain.families import family
 from hvdtrain.paths import check_writable_folder
 
 log = logging.getLogger(__name__)
@@ -78,8 +79,10 @@ def plan(cfg: Config) -> Plan:
         data = dataclasses.replace(data, tokenizer=cfg.model.pretrained)  # continue with the model's own
     corpus = open_corpus(data, root)
     tokenizer = load_or_train_tokenizer(data, arch, corpus, root)
-    separator = (special_id(tokenizer, "eos_token", "causal LM (model.arch gpt2)") if arch == "gpt2"
-                 else special_id(tokenizer, "sep_token", "masked LM (model.arch bert)"))
+    causal = family(arch).causal
+    # Documents are joined with EOS for a causal LM, SEP for a masked LM.
+    separator = special_id(tokenizer, "eos_token" if causal else "sep_token",
+                           f"{family(arch).objective} LM (model.arch {arch})")
     # PIECE_CHARS too: a folder's pieces must all be cut the same way.
     key = cache_key(FORMAT, PIECE_CHARS, corpus.fingerprint, tokenizer_fingerprint(tokenizer), arch, data.max_tokens)
     return Plan(corpus, tokenizer, root / "tokenized" / key, separator, data.max_tokens)

@@ -1,8 +1,8 @@
 """The tokenizer: trained on a sample of the corpus (`data.tokenizer: train`) or a pretrained one.
 
-A trained tokenizer follows its architecture's convention: byte-level BPE with
-`<|endoftext|>` for GPT-2, lowercase WordPiece with [PAD] [UNK] [CLS] [SEP] [MASK] for
-BERT. It learns from a bounded sample (`tokenizer_sample`), so training takes the same time
+A trained tokenizer follows its family's convention (hvdtrain.families: its `tokenizer` kind
+and `special_tokens`): byte-level BPE with `<|endoftext|>` for GPT-2, lowercase WordPiece with
+[PAD] [UNK] [CLS] [SEP] [MASK] for BERT. It learns from a bounded sample (`tokenizer_sample`), so training takes the same time
 and memory for a corpus of a megabyte or a terabyte. Training is cached on disk, keyed by the
 corpus and the sample, so only the first process on a host trains and the others load the result.
 """
@@ -18,26 +18,27 @@ from hvdtrain.config import DataConfig
 from hvdtrain.data.cache import atomic_path, cache_key
 from hvdtrain.data.text import Corpus, one_line
 from hvdtrain.errors import UserError
+from hvdtrain.families import family
 
 log = logging.getLogger(__name__)
 
-GPT2_SPECIAL = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
-BERT_SPECIAL = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
-                "mask_token": "[MASK]"}
 
 
 def train_tokenizer(batches: Iterable[list[str]], arch: str, vocab_size: int) -> PreTrainedTokenizerFast:
     """A new tokenizer with (at most) `vocab_size` tokens learnt from the texts in `batches`,
     wrapped for `transformers` with its special tokens set (so `save_pretrained` keeps them)."""
-    if arch == "gpt2":
-        tokenizer, trainer, special = _byte_level_bpe(), _bpe_trainer(vocab_size), GPT2_SPECIAL
-    elif arch == "bert":
-        tokenizer, trainer, special = _wordpiece(), _wordpiece_trainer(vocab_size), BERT_SPECIAL
+    spec = family(arch)
+    special = spec.special_tokens
+    tokens = list(dict.fromkeys(special.values()))  # each once, in the family's order
+    if spec.tokenizer == "byte-level-bpe":
+        tokenizer, trainer = _byte_level_bpe(), _bpe_trainer(vocab_size, tokens)
+    elif spec.tokenizer == "wordpiece":
+        tokenizer, trainer = _wordpiece(special["unk_token"]), _wordpiece_trainer(vocab_size, tokens)
     else:
-        raise ValueError(f"no tokenizer recipe for arch {arch!r}")
+        raise ValueError(f"no tokenizer recipe {spec.tokenizer!r} (model.arch {arch})")
     tokenizer.train_from_iterator(batches, trainer)
-    if arch == "bert":  # the template needs the ids, which exist only after training
-        tokenizer.post_processor = _bert_template(tokenizer)
+    if "cls_token" in special:  # the template needs the ids, which exist only after training
+        tokenizer.post_processor = _cls_sep_template(tokenizer, special["cls_token"], special["sep_token"])
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **special)
 
 
@@ -107,27 +108,26 @@ def _byte_level_bpe() -> Tokenizer:
     return tokenizer
 
 
-def _bpe_trainer(vocab_size: int) -> trainers.BpeTrainer:
-    return trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[GPT2_SPECIAL["eos_token"]],
+def _bpe_trainer(vocab_size: int, special_tokens: list[str]) -> trainers.BpeTrainer:
+    return trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
 
 
-def _wordpiece() -> Tokenizer:
+def _wordpiece(unk_token: str) -> Tokenizer:
     """BERT's uncased design: lowercase, strip accents, split on whitespace and punctuation."""
-    tokenizer = Tokenizer(models.WordPiece(unk_token=BERT_SPECIAL["unk_token"]))
+    tokenizer = Tokenizer(models.WordPiece(unk_token=unk_token))
     tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tokenizer.decoder = decoders.WordPiece(prefix="##")
     return tokenizer
 
 
-def _wordpiece_trainer(vocab_size: int) -> trainers.WordPieceTrainer:
-    return trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=list(BERT_SPECIAL.values()),
+def _wordpiece_trainer(vocab_size: int, special_tokens: list[str]) -> trainers.WordPieceTrainer:
+    return trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
                                      continuing_subword_prefix="##", show_progress=False)
 
 
-def _bert_template(tokenizer: Tokenizer) -> processors.TemplateProcessing:
+def _cls_sep_template(tokenizer: Tokenizer, cls: str, sep: str) -> processors.TemplateProcessing:
     """[CLS] A [SEP] (B [SEP]): what `tokenizer(text)` adds, as BERT expects."""
-    cls, sep = BERT_SPECIAL["cls_token"], BERT_SPECIAL["sep_token"]
     return processors.TemplateProcessing(single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
                                          special_tokens=[(t, tokenizer.token_to_id(t)) for t in (cls, sep)])
