@@ -164,38 +164,49 @@ def wrap_optimizer(optimizer, model, cfg: HorovodConfig, backward_passes_per_ste
     )
 
 
+class StepTotals:
+    """What every rank tells every other once per step, in one small allreduce that runs in the
+    background while the model computes (no extra synchronisation point before the forward
+    pass): its target tokens, for TokenNormalizer, and its stop vote: a rank asked to stop
+    (preemption, hvdtrain.run_guards) tells every other, so all stop at the same step.
+
+    With pipeline stages every stage of a pipeline reads the same samples, so the count summed
+    over all workers holds each target `stages` times."""
+
+    def __init__(self, stages: int = 1):
+        self.stages = stages
+
+    def start(self, local_targets: int, stop_vote: bool = False):
+        # Horovod: allreduce (sum) in the background, waited for in `wait`
+        self.handle = allreduce_sum_async([local_targets, float(stop_vote)], name="targets")
+
+    def wait(self) -> tuple[float, bool]:
+        """The step's target tokens on all ranks, and whether any rank voted to stop."""
+        total_targets, stop_votes = wait_sum(self.handle)  # Horovod: wait for the allreduce
+        return max(1.0, total_targets / self.stages), stop_votes > 0
+
+
 class TokenNormalizer:
     """Makes the reduced gradient the gradient of (sum of token losses) / (target tokens of the
     whole optimizer step on all ranks), so np=2 equals np=1 and accumulation equals a bigger
     micro batch even when ranks hold different numbers of targets (masked LM).
 
-    The global token count is allreduced in the background while the model computes (no extra
-    synchronisation point before the forward pass): backward runs on the loss times a constant
-    `loss_scale` that is the same on every rank, and once the allreduce of gradients and of the
-    count are both done, `finish` multiplies the gradients by the exact correction.
+    The global token count (StepTotals) is allreduced while the model computes: backward runs
+    on the loss times a constant `loss_scale` that is the same on every rank, and once the
+    allreduce of gradients and of the count are both done, `finish` multiplies the gradients by
+    the exact correction. With pipeline stages, `reduced_over` is the number of copies of a
+    stage (their gradients are averaged)."""
 
-    With pipeline stages, `reduced_over` is the number of copies of a stage (their gradients are
-    averaged) and every stage of a pipeline reads the same samples, so the count summed over
-    all workers holds each target `stages` times."""
-
-    def __init__(self, op: str, reduced_over: int, expected_tokens: int, stages: int = 1):
-        self.op, self.reduced_over, self.stages = op, reduced_over, stages
+    def __init__(self, op: str, reduced_over: int, expected_tokens: int):
+        self.op, self.reduced_over = op, reduced_over
         self.loss_scale = 1.0 / expected_tokens
 
-    def start(self, local_targets: int, stop_vote: bool = False):
-        """`stop_vote` rides along: a rank asked to stop (preemption) tells every other rank."""
-        self.handle = allreduce_sum_async([local_targets, float(stop_vote)], name="targets")
-
-    def finish(self, model) -> tuple[float, bool]:
-        """Correct the reduced gradients; returns the global target count and whether any rank
-        voted to stop."""
-        total_targets, stop_votes = wait_sum(self.handle)
-        global_targets = max(1.0, total_targets / self.stages)
+    def finish(self, model, global_targets: float):
+        """Correct the reduced gradients for the step's `global_targets` (StepTotals.wait)."""
         # Average divided the sum over the copies by their number; Sum did not.
         factor = (self.reduced_over if self.op == "average" else 1) / (self.loss_scale * global_targets)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         torch._foreach_mul_(grads, factor)
-        return global_targets, stop_votes > 0
 
 
 def zero_grad(optimizer):

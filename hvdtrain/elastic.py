@@ -31,6 +31,7 @@ from hvdtrain.config import Config, resolve_batch
 from hvdtrain.data import build_data
 from hvdtrain.errors import UserError
 from hvdtrain.paths import check_writable_folder
+from hvdtrain.step_engine import build_engine
 from hvdtrain.train import Setup, build_model_and_optimizer, check_data, run_steps
 from hvdtrain.training_state import TrainingState, find_resume_checkpoint
 
@@ -135,8 +136,9 @@ def train_elastic(cfg: Config) -> torch.nn.Module:
             events.append({"step": state.step, "event": "reset", "reason": why, "old_world_size": before,
                            "world_size": now.size, "steps_rolled_back": rolled_back})
         elastic_state.last_reset = None
+        engine = build_engine(cfg, device, model, optimizer, scaler, grad_accum, now.size)
         setup = Setup(now, data, model, optimizer, scaler, state, grad_accum, global_batch, peak_lr, now.rank,
-                      now.size, resumed_from=elastic_state.resumed_from if state.step else None)
+                      now.size, engine, resumed_from=elastic_state.resumed_from if state.step else None)
 
         def commit():
             size = now.size
