@@ -20,7 +20,8 @@ class StepLog:
 
     def __init__(self, cfg, world, log, timer, guard, throughput, global_batch: int, grad_accum: int,
                  copies_per_stage: int | None):
-        self.cfg, self.world, self.log, self.timer, self.guard, self.throughput = cfg, world, log, timer, guard, throughput
+        self.cfg, self.world, self.log, self.timer = cfg, world, log, timer
+        self.guard, self.throughput = guard, throughput
         self.global_batch, self.grad_accum, self.copies_per_stage = global_batch, grad_accum, copies_per_stage
         self.losses, self.targets = [], []  # this log interval: local loss sums and global target counts
 
@@ -61,7 +62,7 @@ class Evaluator:
         return bool(self.every and step % self.every == 0) or step == self.last_step
 
     def run(self, step: int):
-        result = self.engine.evaluate(self.loader)  # collective
+        result = self.engine.evaluate(self.loader)  # Horovod: allreduce of the sums (pipeline: send/recv too)
         if self.log is not None:
             self.log.eval_record({"step": step, **result})
         self.timer.reset()  # evaluation time is not training step time
@@ -81,7 +82,7 @@ class Checkpointer:
 
     def save(self, step: int):
         self.guard.check(step)  # a streak of bad steps that stops the run here gets no checkpoint
-        self.state.save()  # collective
+        self.state.save()  # Horovod: allgather, broadcast, barrier (TrainingState.save)
         self.timer.reset()
         self.watchdog.progress(step)
 

@@ -169,7 +169,8 @@ class PipelinedStep(PlainStep):
 
     def clip_gradients(self, max_norm):
         self.scaler.unscale_(self.optimizer)
-        return pipeline.clip_grad_norm_(self.model, max_norm, self.groups)  # torch.distributed: allreduce along the pipeline
+        # torch.distributed: allreduce of the squared norms along the pipeline
+        return pipeline.clip_grad_norm_(self.model, max_norm, self.groups)
 
     def agree_on_nonfinite(self):
         """A stage that found no inf skips too, as the whole model would."""

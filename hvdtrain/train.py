@@ -33,11 +33,11 @@ from hvdtrain.data import DataBundle, build_data
 from hvdtrain.errors import UserError
 from hvdtrain.export import load_checkpoint_model, save_hf
 from hvdtrain.lr_schedule import lr_multiplier
-from hvdtrain.models import build_model, prepare
+from hvdtrain.models import apply_speedups, build_model
 from hvdtrain.optimizers import build_optimizer
 from hvdtrain.paths import check_writable_folder
 from hvdtrain.profiling import Profiler
-from hvdtrain.run_control import (PREEMPTED_EXIT_CODE, NonFiniteGuard, PreemptionSignal, RunStopped,
+from hvdtrain.run_guards import (PREEMPTED_EXIT_CODE, NonFiniteGuard, PreemptionSignal, RunStopped,
                                   StallWatchdog, mark_preempted)
 from hvdtrain.periodic import Checkpointer, Commits, Evaluator, StepLog
 from hvdtrain.run_log import RunLog
@@ -50,12 +50,12 @@ from hvdtrain.training_state import TrainingState, find_resume_checkpoint
 def check_data(cfg: Config, world, shards: int, global_batch: int, grad_accum: int) -> DataBundle:
     """Tokenized and cached once per host, then loaded by every rank; checked on all of them.
     `shards`: the workers that read different samples (the data-parallel copies)."""
-    with distributed.leader_first(world, "data"):
+    with distributed.leader_first(world, "data"):  # Horovod: barriers, local rank 0 first
         data = build_data(cfg, cfg.train.seed)
     # Hosts without a shared cache prepare their data separately: make sure they agree.
     data_id = hashlib.sha256(repr((len(data.train), len(data.val), data.vocab.size, data.tokenizer and
                                    data.tokenizer.backend_tokenizer.to_str())).encode()).hexdigest()
-    if len(set(distributed.allgather_object(data_id, name="data_id"))) > 1:
+    if len(set(distributed.allgather_object(data_id, name="data_id"))) > 1:  # Horovod: allgather
         raise UserError("workers on different hosts built different data or tokenizers; point data.cache_dir "
                         "at a shared folder or give data.tokenizer a pretrained tokenizer")
     if global_batch > len(data.train):
@@ -150,7 +150,7 @@ def build_model_and_optimizer(cfg: Config, data: DataBundle, device, grad_accum:
     t, par = cfg.train, cfg.parallel
     torch.manual_seed(t.seed)
     model = build_model(cfg.model, data.vocab, cfg.data.seq_len)
-    prepare(model, cfg.model)  # activation checkpointing, compiled blocks
+    apply_speedups(model, cfg.model)  # activation checkpointing, compiled blocks
     aliases = checkpoint.tie_aliases(model)  # of the whole model, before a split
     if layout is not None:  # keep this worker's stage only, under the whole model's names
         bounds = pipeline.stage_bounds(model.config.num_hidden_layers, layout.stages, layout.stages_per_rank,
@@ -165,6 +165,7 @@ def build_model_and_optimizer(cfg: Config, data: DataBundle, device, grad_accum:
     reduce_after = layout is not None and (par.reduce_gradients or
                                            ("after" if device.type == "cuda" else "during")) == "after"
     if not reduce_after:
+        # Horovod: DistributedOptimizer, allreduce of gradients from backward hooks
         optimizer = distributed.wrap_optimizer(optimizer, model, cfg.horovod, grad_accum,
                                                groups.process_set if groups else None)
     scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
@@ -175,7 +176,7 @@ def set_up(cfg: Config) -> Setup:
     """Every step before the first training step, in order; collective."""
     # ---- set-up 1. Horovod: init, pin the GPU, seed
     check_writable_folder(cfg.out_dir, "out_dir")
-    world = distributed.init(cfg)
+    world = distributed.init(cfg)  # Horovod: hvd.init
     par = cfg.parallel
     grad_accum, global_batch = resolve_batch(cfg, world.size)
     # Pipeline stages: this worker's place in the stages x copies grid; the copies shard the data.
@@ -187,16 +188,17 @@ def set_up(cfg: Config) -> Setup:
     data = check_data(cfg, world, shards, global_batch, grad_accum)
 
     # ---- set-up 3. the checkpoint to resume from (rank 0 decides, every rank is told)
-    resume_from = find_resume_checkpoint(cfg, world)
+    resume_from = find_resume_checkpoint(cfg, world)  # Horovod: broadcast from rank 0
 
     # ---- set-up 4. model, optimizer and their state: rank 0's values win (or each stage's part)
     groups = None
     if layout is not None:
+        # Horovod + torch.distributed: process sets and groups, made by every rank
         groups = pipeline.open_groups(layout, "nccl" if world.device.type == "cuda" else "gloo")
     model, optimizer, scaler, aliases, peak_lr, reduce_after = build_model_and_optimizer(
         cfg, data, world.device, grad_accum, shards, layout, groups)
     state = TrainingState(model, optimizer, scaler, world, cfg, layout, aliases)
-    state.restore(resume_from)
+    state.load_and_share(resume_from)  # Horovod: broadcast from rank 0 (with stages: each reads its part)
     # The step engine, chosen once: plain, or pipelined (torch's schedule over this stage)
     engine = build_engine(cfg, world.device, model, optimizer, scaler, grad_accum, shards, layout, groups, reduce_after)
     return Setup(world, data, model, optimizer, scaler, state, grad_accum, global_batch, peak_lr, shard, shards,
@@ -232,6 +234,7 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
                 if s.world.rank in t.slow_ranks:
                     time.sleep(t.slow_seconds)  # test aid: a straggling rank
                 micro_batches = [next(run.batches) for _ in range(s.grad_accum)]
+                # Horovod: allreduce (sum) in the background
                 run.totals.start(sum(mb["num_targets"] for mb in micro_batches), run.preemption.requested)
                 micro_batches = [{k: v.to(s.world.device, non_blocking=True) if torch.is_tensor(v) else v
                                   for k, v in mb.items()} for mb in micro_batches]
@@ -242,11 +245,12 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
             # 3. wait for the gradient allreduce, normalise by the step's tokens, clip, step
             #    (a step with inf/NaN gradients is skipped: by the fp16 scaler, or else by the guard)
             with timer.phase("allreduce"):
-                engine.reduce_gradients()
-                global_targets, stop = run.totals.wait()
+                engine.reduce_gradients()  # Horovod: wait for the gradient allreduce (and the pipeline's)
+                global_targets, stop = run.totals.wait()  # Horovod: wait for the targets allreduce
                 engine.normalize(global_targets)
             run.guard.check(state.step)  # the streak up to the step before: the device has finished it
             with timer.phase("optimizer"):
+                # with pipeline stages, torch.distributed: the norm and the fp16 inf flag along the pipeline
                 grad_norm = engine.clip_gradients(t.grad_clip if t.grad_clip > 0 else float("inf"))
                 engine.optimizer_step(run.guard, grad_norm)
             state.step += 1

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from hvdtrain import distributed, pipeline
 from hvdtrain.config import Config, ModelConfig, ParallelConfig
 from hvdtrain.models import IGNORE_INDEX, Vocab, build_model, logits_and_labels
-from hvdtrain.run_control import NonFiniteGuard
+from hvdtrain.run_guards import NonFiniteGuard
 from hvdtrain.step_engine import PipelinedStep, autocast_for
 from hvdtrain.step_timer import StepTimer
 
@@ -114,13 +114,13 @@ def train_pipelined(case: str, layout: pipeline.Layout, groups: pipeline.Groups)
                                              process_set=groups.process_set,
                                              backward_passes_per_step=MICROBATCHES)
     pipeline.broadcast_stage(stage, layout, groups)
-    cfg = Config(model=ModelConfig(arch=arch), parallel=ParallelConfig(pipeline_stages=layout.stages, schedule=schedule))
+    cfg = Config(parallel=ParallelConfig(pipeline_stages=layout.stages, schedule=schedule))
     normalizer = distributed.TokenNormalizer("average", layout.dp, GLOBAL_BATCH // layout.dp * SEQ)
     engine = PipelinedStep(stage, optimizer, torch.amp.GradScaler("cpu", enabled=False), normalizer,
                            autocast_for(torch.device("cpu"), "fp32"), torch.device("cpu"), layout, groups, pipe,
                            reduce == "after", cfg)
-    timer, guard, totals = StepTimer(torch.device("cpu"), False), NonFiniteGuard(torch.device("cpu"), 10), \
-        distributed.StepTotals(layout.stages)
+    timer, guard = StepTimer(torch.device("cpu"), enabled=False), NonFiniteGuard(torch.device("cpu"), 10)
+    totals = distributed.StepTotals(layout.stages)
     result = {"losses": [], "norms": [], "reduced_in_backward": reduce == "hooks"}
     for step in range(STEPS):
         ids, labels = global_batch(arch, step)
