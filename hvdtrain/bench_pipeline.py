@@ -52,7 +52,7 @@ from hvdtrain import launch, metrics, report
 from hvdtrain.bench_common import RESULT_TAG, parse_ints, proc_status_bytes
 from hvdtrain.config import load_config
 from hvdtrain.errors import UserError
-from hvdtrain.pipeline_split import ideal_bubble
+from hvdtrain.pipeline_plan import ideal_bubble
 
 DEFAULT_RECIPE = "recipes/gpt-tiny-pipeline.yaml"
 MIB = 2 ** 20

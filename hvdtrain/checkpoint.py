@@ -39,6 +39,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file, save_model
 
 from hvdtrain.errors import UserError
+from hvdtrain.models import tied_names
 from hvdtrain.paths import written_whole
 
 log = logging.getLogger(__name__)
@@ -201,7 +202,7 @@ def recover_interrupted_writes(out_dir):
     for old in root.glob(".old-step_*"):
         final, tmp = root / old.name[len(".old-"):], root / (".tmp-" + old.name[len(".old-"):])
         if not final.exists():
-            if tmp.is_dir() and problem(tmp) is None:
+            if tmp.is_dir() and find_problem(tmp) is None:
                 tmp.rename(final)
             else:
                 old.rename(final)
@@ -213,7 +214,7 @@ def recover_interrupted_writes(out_dir):
 
 # ---------------------------------------------------------------- reading
 
-def problem(path: Path) -> str | None:
+def find_problem(path: Path) -> str | None:
     """What is wrong with the checkpoint folder `path` (one line), or None when it is intact."""
     if (path / LEGACY_STATE_FILE).is_file() and not (path / MANIFEST_FILE).is_file():
         return (f"{path} was written by an earlier hvdtrain whose {LEGACY_STATE_FILE} is a pickle, which can run "
@@ -251,7 +252,7 @@ def newest_intact_checkpoint(out_dir) -> Path | None:
     """The newest checkpoint that verifies; damaged newer ones are set aside on the way. A
     checkpoint of the earlier pickled format is refused (it is not damaged, only unsafe to read)."""
     for path in reversed(list_checkpoints(out_dir)):
-        why = problem(path)
+        why = find_problem(path)
         if why is None:
             return path
         if (path / LEGACY_STATE_FILE).is_file():
@@ -272,7 +273,7 @@ def resolve_checkpoint(path) -> Path:
         if not checkpoints:
             raise UserError(f"'{path}' is neither a checkpoint folder nor a run folder with checkpoints")
         found = checkpoints[-1]
-    why = problem(found)
+    why = find_problem(found)
     if why is not None:
         raise UserError(why)
     return found
@@ -300,10 +301,7 @@ def tie_aliases(model) -> dict[str, list[str]]:
     """For each parameter name, the other names of the same tied parameter in the whole model
     (GPT-2's wte and lm_head, BERT's word embeddings and decoder): a checkpoint may hold it
     under one name only (one process) or under both (pipeline stages)."""
-    by_param = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_param.setdefault(p, []).append(name)
-    return {n: [m for m in names if m != n] for names in by_param.values() for n in names if len(names) > 1}
+    return {n: [m for m in names if m != n] for names in tied_names(model) for n in names}
 
 
 def _read_tensors(path: Path, prefix: str, wanted) -> dict[str, torch.Tensor]:

@@ -37,7 +37,7 @@ def process_rank() -> int:
 def run_train(args) -> int:
     from hvdtrain.config import load_config
     from hvdtrain.distributed import is_elastic_job
-    from hvdtrain.run_control import RunStopped
+    from hvdtrain.run_guards import RunStopped
 
     cfg = load_config(args.config, args.overrides)
     if is_elastic_job():

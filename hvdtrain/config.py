@@ -227,7 +227,7 @@ class HorovodConfig:
     # A worker that stops taking part (stuck in I/O, a deadlock, SIGSTOP) leaves the others
     # waiting in a collective for ever: after this many seconds without a finished step (or
     # evaluation or checkpoint) every worker says where it is and exits, naming the stalled rank
-    # (see hvdtrain.run_control.StallWatchdog). 0: wait for ever. As torch's NCCL default, 10 min.
+    # (see hvdtrain.run_guards.StallWatchdog). 0: wait for ever. As torch's NCCL default, 10 min.
     stall_timeout_s: float = 600.0
 
     def check(self):

@@ -61,7 +61,7 @@ def horovod_env(cfg: Config) -> dict:
         env["HOROVOD_AUTOTUNE_LOG"] = os.path.join(tempfile.gettempdir(), f"hvdtrain-autotune-{os.getpid()}.csv")
     if h.stall_timeout_s and not is_elastic_job() and "HOROVOD_GLOO_TIMEOUT_SECONDS" not in os.environ:
         # Gloo gives up on a worker that does not answer after 30 s, with an error that does not
-        # say which: the stall watchdog (hvdtrain.run_control) names it, so Gloo waits longer.
+        # say which: the stall watchdog (hvdtrain.run_guards) names it, so Gloo waits longer.
         env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(int(h.stall_timeout_s) + 60)
     if is_elastic_job() and "HOROVOD_CACHE_CAPACITY" not in os.environ:
         # Horovod's response cache goes out of step between the workers that lived through a
@@ -78,7 +78,7 @@ def init(cfg: Config) -> World:
         raise UserError("Horovod is not installed in this environment; run `make setup` (or scripts/install.py)")
     os.environ.update(horovod_env(cfg))
     # Pipeline stages reduce gradients within process sets that are added after init.
-    hvd.init(**({"process_sets": "dynamic"} if cfg.parallel.pipeline_stages > 1 else {}))
+    hvd.init(**({"process_sets": "dynamic"} if cfg.parallel.pipeline_stages > 1 else {}))  # Horovod: init
     if torch.cuda.is_available():
         torch.cuda.set_device(hvd.local_rank())
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast use TF32
@@ -114,7 +114,7 @@ def timeline_path(cfg: Config) -> Path | None:
 def start_timeline(path: Path):
     """Every rank calls it (the timeline is global); the coordinator writes the file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    hvd.start_timeline(str(path), mark_cycles=False)
+    hvd.start_timeline(str(path), mark_cycles=False)  # Horovod: timeline, on every rank
 
 
 def stop_timeline():
@@ -153,6 +153,7 @@ def wrap_optimizer(optimizer, model, cfg: HorovodConfig, backward_passes_per_ste
     backward_passes_per_step = gradient accumulation steps, so the allreduce fires once per
     optimizer step, after the last micro batch, not once per micro batch. With pipeline stages
     `process_set` holds the copies of this worker's stage, and only they reduce together."""
+    # Horovod: DistributedOptimizer, allreduce of each gradient from its backward hook
     return hvd.DistributedOptimizer(
         optimizer,
         named_parameters=model.named_parameters(),
@@ -164,38 +165,49 @@ def wrap_optimizer(optimizer, model, cfg: HorovodConfig, backward_passes_per_ste
     )
 
 
+class StepTotals:
+    """What every rank tells every other once per step, in one small allreduce that runs in the
+    background while the model computes (no extra synchronisation point before the forward
+    pass): its target tokens, for TokenNormalizer, and its stop vote: a rank asked to stop
+    (preemption, hvdtrain.run_guards) tells every other, so all stop at the same step.
+
+    With pipeline stages every stage of a pipeline reads the same samples, so the count summed
+    over all workers holds each target `stages` times."""
+
+    def __init__(self, stages: int = 1):
+        self.stages = stages
+
+    def start(self, local_targets: int, stop_vote: bool = False):
+        # Horovod: allreduce (sum) in the background, waited for in `wait`
+        self.handle = allreduce_sum_async([local_targets, float(stop_vote)], name="targets")
+
+    def wait(self) -> tuple[float, bool]:
+        """The step's target tokens on all ranks, and whether any rank voted to stop."""
+        total_targets, stop_votes = wait_sum(self.handle)  # Horovod: wait for the allreduce
+        return max(1.0, total_targets / self.stages), stop_votes > 0
+
+
 class TokenNormalizer:
     """Makes the reduced gradient the gradient of (sum of token losses) / (target tokens of the
     whole optimizer step on all ranks), so np=2 equals np=1 and accumulation equals a bigger
     micro batch even when ranks hold different numbers of targets (masked LM).
 
-    The global token count is allreduced in the background while the model computes (no extra
-    synchronisation point before the forward pass): backward runs on the loss times a constant
-    `loss_scale` that is the same on every rank, and once the allreduce of gradients and of the
-    count are both done, `finish` multiplies the gradients by the exact correction.
+    The global token count (StepTotals) is allreduced while the model computes: backward runs
+    on the loss times a constant `loss_scale` that is the same on every rank, and once the
+    allreduce of gradients and of the count are both done, `finish` multiplies the gradients by
+    the exact correction. With pipeline stages, `reduced_over` is the number of copies of a
+    stage (their gradients are averaged)."""
 
-    With pipeline stages, `reduced_over` is the number of copies of a stage (their gradients are
-    averaged) and every stage of a pipeline reads the same samples, so the count summed over
-    all workers holds each target `stages` times."""
-
-    def __init__(self, op: str, reduced_over: int, expected_tokens: int, stages: int = 1):
-        self.op, self.reduced_over, self.stages = op, reduced_over, stages
+    def __init__(self, op: str, reduced_over: int, expected_tokens: int):
+        self.op, self.reduced_over = op, reduced_over
         self.loss_scale = 1.0 / expected_tokens
 
-    def start(self, local_targets: int, stop_vote: bool = False):
-        """`stop_vote` rides along: a rank asked to stop (preemption) tells every other rank."""
-        self.handle = allreduce_sum_async([local_targets, float(stop_vote)], name="targets")
-
-    def finish(self, model) -> tuple[float, bool]:
-        """Correct the reduced gradients; returns the global target count and whether any rank
-        voted to stop."""
-        total_targets, stop_votes = wait_sum(self.handle)
-        global_targets = max(1.0, total_targets / self.stages)
+    def finish(self, model, global_targets: float):
+        """Correct the reduced gradients for the step's `global_targets` (StepTotals.wait)."""
         # Average divided the sum over the copies by their number; Sum did not.
         factor = (self.reduced_over if self.op == "average" else 1) / (self.loss_scale * global_targets)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         torch._foreach_mul_(grads, factor)
-        return global_targets, stop_votes > 0
 
 
 def zero_grad(optimizer):
@@ -215,16 +227,16 @@ def broadcast_state(model, optimizer, resumed: bool):
     then take a dummy step with zero gradients to create it, which applies weight decay and
     advances Adam's step count. So the optimizer state is broadcast only when rank 0 has one."""
     if resumed:
-        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)  # Horovod: broadcast from rank 0
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # Horovod: broadcast from rank 0
 
 
 def broadcast_object(obj, name: str):
-    return hvd.broadcast_object(obj, root_rank=0, name=name)
+    return hvd.broadcast_object(obj, root_rank=0, name=name)  # Horovod: broadcast from rank 0
 
 
 def allgather_object(obj, name: str) -> list:
-    return hvd.allgather_object(obj, name=name)
+    return hvd.allgather_object(obj, name=name)  # Horovod: allgather
 
 
 def allreduce_sum(values: list[float], name: str) -> list[float]:
@@ -236,17 +248,23 @@ def allreduce_sum_async(values: list[float], name: str):
     t = torch.tensor(values, dtype=torch.float64)
     if hvd.size() == 1:  # nothing to reduce; skips a Horovod cycle
         return t
-    return hvd.allreduce_async(t, op=hvd.Sum, name=name)
+    return hvd.allreduce_async(t, op=hvd.Sum, name=name)  # Horovod: allreduce (sum), waited for by wait_sum
 
 
 def wait_sum(handle) -> list[float]:
-    return (handle if torch.is_tensor(handle) else hvd.synchronize(handle)).tolist()
+    return (handle if torch.is_tensor(handle) else hvd.synchronize(handle)).tolist()  # Horovod: wait
 
 
 def allgather_floats(values: list[float], name: str) -> np.ndarray:
     """Per-rank values side by side: shape (world_size, len(values))."""
     t = torch.tensor([values], dtype=torch.float64)
-    return hvd.allgather(t, name=name).numpy()
+    return hvd.allgather(t, name=name).numpy()  # Horovod: allgather
+
+
+def barrier(name: str, failed: bool = False) -> bool:
+    """Wait until every rank has come here; returns whether any of them came `failed`."""
+    # Horovod: a one-number allreduce (sum) as the barrier, carrying the failure flags
+    return allreduce_sum([float(failed)], name=name)[0] > 0
 
 
 @contextmanager
@@ -259,10 +277,10 @@ def leader_first(world: World, what: str):
         try:
             yield
         except UserError:
-            allreduce_sum([1.0], name=name)
+            barrier(name, failed=True)
             raise
-        allreduce_sum([0.0], name=name)
+        barrier(name)
     else:
-        if allreduce_sum([0.0], name=name)[0] > 0:
+        if barrier(name):
             raise SystemExit(2)  # the leader prints the error
         yield

@@ -31,6 +31,7 @@ from hvdtrain.config import Config, resolve_batch
 from hvdtrain.data import build_data
 from hvdtrain.errors import UserError
 from hvdtrain.paths import check_writable_folder
+from hvdtrain.step_engine import build_engine
 from hvdtrain.train import Setup, build_model_and_optimizer, check_data, run_steps
 from hvdtrain.training_state import TrainingState, find_resume_checkpoint
 
@@ -69,6 +70,7 @@ class ElasticState(State):
     def sync(self):
         """Rank 0's committed state on every worker, the new ones included."""
         t = self.training
+        # Horovod: broadcasts from rank 0
         has_optimizer_state = hvd.broadcast_object(len(t.optimizer.state) > 0, root_rank=0, name="elastic.has_state")
         distributed.broadcast_state(t.model, t.optimizer, resumed=has_optimizer_state)
         progress = hvd.broadcast_object((t.step, t.position, t.scaler.state_dict(), self.resume_decided,
@@ -104,7 +106,7 @@ def train_elastic(cfg: Config) -> torch.nn.Module:
     """`train` for an elastic job: set-up without collectives, then the loop under hvd.elastic.run."""
     check_elastic_config(cfg)
     check_writable_folder(cfg.out_dir, "out_dir")
-    world = distributed.init(cfg)
+    world = distributed.init(cfg)  # Horovod: hvd.init
     device = world.device
     grad_accum, _ = resolve_batch(cfg, world.size)
     data = build_data(cfg, cfg.train.seed)  # each process for itself: the cache's writes are atomic
@@ -118,8 +120,8 @@ def train_elastic(cfg: Config) -> torch.nn.Module:
         now = distributed.current_world(device)
         state.world = now
         if not elastic_state.resume_decided:  # the job's first entry: the decision of a plain run
-            elastic_state.resumed_from = find_resume_checkpoint(cfg, now)
-            state.restore(elastic_state.resumed_from)
+            elastic_state.resumed_from = find_resume_checkpoint(cfg, now)  # Horovod: broadcast
+            state.load_and_share(elastic_state.resumed_from)  # Horovod: broadcast
             elastic_state.resume_decided = True
             elastic_state.save()  # a worker lost from here on rolls back to the resumed state
         grad_accum, global_batch = resolve_batch(cfg, now.size)
@@ -127,21 +129,23 @@ def train_elastic(cfg: Config) -> torch.nn.Module:
         optimizer._handles.clear()  # allreduces of an interrupted step belong to the old world
         distributed.zero_grad(optimizer)
         rng.reseed_for_training(cfg.train.seed, now.rank, state.step)
-        check_data(cfg, now, now.size, global_batch, grad_accum)
+        check_data(cfg, now, now.size, global_batch, grad_accum)  # Horovod: allgather
         events = []
+        # Horovod: allgather
         reset = [r for r in hvd.allgather_object(elastic_state.last_reset, name="elastic.reset") if r]
         if reset:  # known to the workers that lived through it
             why, rolled_back, before = reset[0]
             events.append({"step": state.step, "event": "reset", "reason": why, "old_world_size": before,
                            "world_size": now.size, "steps_rolled_back": rolled_back})
         elastic_state.last_reset = None
+        engine = build_engine(cfg, device, model, optimizer, scaler, grad_accum, now.size)
         setup = Setup(now, data, model, optimizer, scaler, state, grad_accum, global_batch, peak_lr, now.rank,
-                      now.size, resumed_from=elastic_state.resumed_from if state.step else None)
+                      now.size, engine, resumed_from=elastic_state.resumed_from if state.step else None)
 
         def commit():
             size = now.size
             try:
-                elastic_state.commit()
+                elastic_state.commit()  # Horovod: the elastic commit (checks for host changes)
             except HostsUpdatedInterrupt:
                 elastic_state.last_reset = ("the hosts changed", 0, size)
                 raise

@@ -45,7 +45,7 @@ def count_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: i
 def stage_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: int, max_position: int,
                  bounds: list[int], head_fraction: float = 1.0) -> list[dict]:
     """Parameters of each pipeline stage of a model with tied embeddings (hvdtrain's models),
-    split at the layer `bounds` of hvdtrain.pipeline_split.stage_bounds: stage i owns layers
+    split at the layer `bounds` of hvdtrain.pipeline_plan.stage_bounds: stage i owns layers
     bounds[i] .. bounds[i+1]-1, the first stage also the embeddings, the last one the head.
 
     For each stage, "layers" (how many), "params" (as its StageModule counts them) and

@@ -105,8 +105,17 @@ def switch(name: str) -> str:
     return value
 
 
-def prepare(model, cfg: ModelConfig):
-    """Optional speed-ups applied after the model is on its device."""
+def tied_names(model) -> list[list[str]]:
+    """Groups of names that are one parameter in the model (GPT-2's wte and lm_head, BERT's word
+    embeddings and decoder), in the model's order."""
+    by_param = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_param.setdefault(p, []).append(name)
+    return [names for names in by_param.values() if len(names) > 1]
+
+
+def apply_speedups(model, cfg: ModelConfig):
+    """Optional speed-ups of the built model: activation checkpointing, compiled blocks."""
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.compile:

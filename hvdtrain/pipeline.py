@@ -42,10 +42,10 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 
 from hvdtrain.errors import UserError
 from hvdtrain.families import family_of
-from hvdtrain.models import IGNORE_INDEX
-# The torch-free arithmetic (split, schedule checks, ideal bubble) lives in pipeline_split, for
+from hvdtrain.models import IGNORE_INDEX, tied_names
+# The torch-free arithmetic (split, schedule checks, ideal bubble) lives in pipeline_plan, for
 # `hvdtrain plan`; its names are part of this module's API too.
-from hvdtrain.pipeline_split import (INTERLEAVED, SCHEDULES, _even_bounds, check_schedule,  # noqa: F401
+from hvdtrain.pipeline_plan import (INTERLEAVED, SCHEDULES, _even_bounds, check_schedule,  # noqa: F401
                                      ideal_bubble, stage_bounds)
 
 try:  # as in distributed.py; the layout, the split and the checks work without Horovod
@@ -124,8 +124,8 @@ class Groups:
     def close(self):
         """Remove the process sets and the torch.distributed group (all ranks, same order)."""
         for process_set in self.added_sets:
-            hvd.remove_process_set(process_set)
-        dist.destroy_process_group()
+            hvd.remove_process_set(process_set)  # Horovod: remove a process set (collective)
+        dist.destroy_process_group()  # torch.distributed: destroy the groups
 
 
 def open_groups(layout: Layout, backend: str) -> Groups:
@@ -141,23 +141,24 @@ def open_groups(layout: Layout, backend: str) -> Groups:
     # traceback; horovodrun already tags each line with its rank, and hvdtrain.relay must see
     # the traceback as the worker's Python printed it to show it.
     excepthook = sys.excepthook
+    # torch.distributed: init over a store whose address comes by Horovod broadcast
     dist.init_process_group(backend, store=_rendezvous_store(), rank=hvd.rank(), world_size=world_size)
     sys.excepthook = excepthook
     # dist.new_group and hvd.add_process_set are collective: every rank makes every group, same order.
     pipeline = tied = None
     for d in range(layout.dp):
-        group = dist.new_group(layout.pipeline_ranks(d))
+        group = dist.new_group(layout.pipeline_ranks(d))  # torch.distributed: new group (collective)
         if d == layout.dp_rank:
             pipeline = group
     if layout.stages > 1:
         for d in range(layout.dp):
             ends = layout.pipeline_ranks(d)
-            group = dist.new_group([ends[0], ends[-1]])
+            group = dist.new_group([ends[0], ends[-1]])  # torch.distributed: new group (collective)
             if d == layout.dp_rank and (layout.is_first or layout.is_last):
                 tied = group
     if layout.dp == world_size:  # Horovod rejects a second set equal to the world
         return Groups(pipeline, tied, hvd.global_process_set)
-    added = [hvd.add_process_set(layout.stage_ranks(s)) for s in range(layout.stages)]
+    added = [hvd.add_process_set(layout.stage_ranks(s)) for s in range(layout.stages)]  # Horovod: process sets
     return Groups(pipeline, tied, added[layout.stage], added)
 
 
@@ -167,9 +168,9 @@ def _rendezvous_store() -> dist.TCPStore:
     if rank == 0:
         host = os.environ.get("MASTER_ADDR") or os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
         store = dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False)
-        hvd.broadcast_object((host, store.port), root_rank=0, name="pipeline.store")
+        hvd.broadcast_object((host, store.port), root_rank=0, name="pipeline.store")  # Horovod: broadcast
         return store
-    host, port = hvd.broadcast_object(None, root_rank=0, name="pipeline.store")
+    host, port = hvd.broadcast_object(None, root_rank=0, name="pipeline.store")  # Horovod: broadcast
     return dist.TCPStore(host, port, world_size, is_master=False)
 
 
@@ -197,7 +198,7 @@ class StageModule(nn.Module):
         if len(bounds) != layout.num_stages + 1:
             raise ValueError(f"{len(bounds)} layer bounds for {layout.num_stages} pipeline stages")
         self.parts = parts = family_of(model).modeling().STAGE
-        ties = _tied_names(model)
+        ties = tied_names(model)
         owned = [i for s in layout.stage_ids for i in range(bounds[s], bounds[s + 1])]
         parent, name = self._parent(model, parts.layers)
         layers = getattr(parent, name)
@@ -260,14 +261,6 @@ class _Chunk(nn.Module):
 
     def forward(self, x):
         return self.forward_fn(x)
-
-
-def _tied_names(model: nn.Module) -> list[list[str]]:
-    """Groups of names that are one parameter in the whole model (e.g. wte and lm_head)."""
-    by_param = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_param.setdefault(p, []).append(name)
-    return [names for names in by_param.values() if len(names) > 1]
 
 
 def split_model(model: nn.Module, layout: Layout, bounds: list[int]) -> StageModule:
@@ -336,6 +329,7 @@ def run(pipe: Pipeline, input_ids: torch.Tensor, labels: torch.Tensor, train: bo
     args = (input_ids,) if layout.is_first else ()
     losses = [] if layout.is_last else None
     step = pipe.schedule.step if train else pipe.schedule.eval
+    # torch.distributed: send/recv of activations (and gradients) along the pipeline
     step(*args, target=labels if layout.is_last else None, losses=losses, return_outputs=False)
     if not layout.is_last:
         return torch.zeros((), dtype=torch.float64, device=input_ids.device)
@@ -348,6 +342,7 @@ def broadcast_stage(stage: StageModule, layout: Layout, groups: Groups):
     """Copy the first copy's parameters and buffers to the other copies of this stage
     (hvd.broadcast_parameters works on the global set only)."""
     root = layout.stage_ranks(layout.stage)[0]  # a global rank, as Horovod wants
+    # Horovod: broadcast within the stage's process set
     handles = [hvd.broadcast_async_(t, root, name=f"pipeline.broadcast.{name}", process_set=groups.process_set)
                for name, t in stage.state_dict().items()]
     for handle in handles:
@@ -372,6 +367,7 @@ def allreduce_grads_after(params, groups: Groups, op=None, compression=None, gra
     compressed, contexts = zip(*[compression.compress(p.grad) for p in params])
     scale = ({"prescale_factor": 1.0 / gradient_predivide_factor, "postscale_factor": gradient_predivide_factor}
              if op == hvd.Average else {})
+    # Horovod: grouped allreduce within the stage's process set
     hvd.grouped_allreduce_(list(compressed), op=op, name="pipeline.grads", process_set=groups.process_set, **scale)
     for p, sent, context in zip(params, compressed, contexts):
         if sent is not p.grad:  # reduced in a compressed copy: back into the gradient
@@ -386,7 +382,7 @@ def allreduce_tied_grads(stage: StageModule, groups: Groups):
     for p in stage.tied.values():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, group=groups.tied)
+        dist.all_reduce(p.grad, group=groups.tied)  # torch.distributed: allreduce (sum), first + last stage
 
 
 def _counted_grads(stage: StageModule) -> list[torch.Tensor]:
@@ -400,7 +396,7 @@ def clip_grad_norm_(stage: StageModule, max_norm: float, groups: Groups) -> torc
     (squares summed along the pipeline; the copies of a stage hold equal, reduced gradients),
     and every stage scaled by the same coefficient. Returns the total norm before clipping."""
     squares = torch.nn.utils.get_total_norm(_counted_grads(stage)) ** 2
-    dist.all_reduce(squares, group=groups.pipeline)
+    dist.all_reduce(squares, group=groups.pipeline)  # torch.distributed: allreduce (sum) along the pipeline
     total = squares.sqrt()
     torch.nn.utils.clip_grads_with_norm_(stage.parameters(), max_norm, total)
     return total
@@ -414,6 +410,6 @@ def share_found_inf(scaler: torch.amp.GradScaler, optimizer, groups: Groups):
     scaler.unscale_ and after the data-parallel reduction (it spreads inf/nan to every copy)."""
     flags = list(scaler._found_inf_per_device(optimizer).values())  # one per device, from unscale_
     found = torch.stack(flags).amax()
-    dist.all_reduce(found, op=dist.ReduceOp.MAX, group=groups.pipeline)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX, group=groups.pipeline)  # torch.distributed: allreduce (max)
     for flag in flags:
         flag.copy_(found)

@@ -43,7 +43,7 @@ from hvdtrain.errors import UserError
 from hvdtrain.families import family
 from hvdtrain.flops import (count_params, find_gpu, flops_params, head_fraction, mfu, model_dims,
                             model_flops_per_token, peak_tflops, stage_params)
-from hvdtrain.pipeline_split import INTERLEAVED, check_schedule, ideal_bubble, stage_bounds
+from hvdtrain.pipeline_plan import INTERLEAVED, check_schedule, ideal_bubble, stage_bounds
 
 GIB = 2 ** 30
 MIB = 2 ** 20

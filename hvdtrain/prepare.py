@@ -18,6 +18,7 @@ sizes and a sample's checksums. `--verify` reads every file of a prepared folder
 import logging
 import os
 import socket
+from functools import partial
 from pathlib import Path
 
 from hvdtrain.launch import add_config_args
@@ -50,8 +51,8 @@ def prepare_with_workers(cfg, verify: bool) -> tuple[dict, Path]:
     from hvdtrain import distributed
     from hvdtrain.data import preparation
 
-    world = distributed.init(cfg)
-    with distributed.leader_first(world, "tokenizer"):  # one process per host trains a tokenizer
+    world = distributed.init(cfg)  # Horovod: hvd.init
+    with distributed.leader_first(world, "tokenizer"):  # Horovod: barriers; one process per host trains a tokenizer
         plan = preparation.plan(cfg)
     group = sharing_group(world, plan.folder)
     num_proc = cfg.data.num_proc or cores_per_worker(world)
@@ -69,9 +70,10 @@ def sharing_group(world, folder):
     hosts = (folder / ".hosts")
     hosts.mkdir(parents=True, exist_ok=True)
     (hosts / socket.gethostname()).touch()
-    barrier = lambda: distributed.allreduce_sum([0.0], name="prepare.barrier")  # noqa: E731
-    barrier()
-    names = set(distributed.allgather_object(socket.gethostname(), name="prepare.hosts"))
+    barrier = partial(distributed.barrier, "prepare.barrier")
+    barrier()  # Horovod: barrier
+    names = set(distributed.allgather_object(socket.gethostname(), name="prepare.hosts"))  # Horovod: allgather
+    # Horovod: allgather
     shared = all(distributed.allgather_object(all((hosts / n).exists() for n in names), name="prepare.shared"))
     if shared:
         return Group(world.rank, world.size, barrier)
@@ -85,6 +87,7 @@ def cores_per_worker(world) -> int:
     from hvdtrain import distributed
 
     mine = os.sched_getaffinity(0)
+    # Horovod: allgather
     everyone = distributed.allgather_object((socket.gethostname(), sorted(mine)), name="prepare.cores")
     sharing = sum(1 for host, cores in everyone if host == socket.gethostname() and mine & set(cores))
     return max(1, len(mine) // sharing)

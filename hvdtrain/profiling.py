@@ -55,6 +55,7 @@ class Profiler:
         first, last = self.cfg.wait + self.cfg.warmup, self.cfg.wait + self.cfg.warmup + self.cfg.active
         if self.step_count == first and not self.timeline_on:
             self.dir.mkdir(parents=True, exist_ok=True)
+            # Horovod: the timeline, started on every rank
             hvd.start_timeline(str(self.dir / "horovod_timeline.json"), mark_cycles=False)
             self.timeline_on = True
         elif self.step_count == last and self.timeline_on:

@@ -8,7 +8,7 @@ what may be an error; when the job has ended, `Relay.finish` shows the first rea
 
 1. the first one-line user error of any worker (`hvdtrain: error: ...`, exit code 2): every
    worker that hits one prints it, so the same mistake on all ranks is shown once; or the
-   stalled workers, from what the stall watchdogs said (hvdtrain.run_control.StallWatchdog):
+   stalled workers, from what the stall watchdogs said (hvdtrain.run_guards.StallWatchdog):
    those that said they were stuck, else those that said nothing while the others waited;
 2. else the first traceback that is not an echo of another worker's failure, with its rank;
 3. else what horovodrun or mpirun report: the worker that exited first without saying why

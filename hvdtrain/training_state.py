@@ -5,7 +5,7 @@
     RNG states of every rank           so dropout continues exactly (hvdtrain.rng)
     the config and world size          to check a resume is compatible and to rebuild the model
 
-`save` and `restore` are collective: every rank calls them at the same point. Rank 0 reads
+`save` and `load_and_share` are collective: every rank calls them at the same point. Rank 0 reads
 and writes the files (hvdtrain.checkpoint); what every rank must hold equal after a resume
 (weights, optimizer state, loss scale, progress) is broadcast from rank 0, so the replicas
 cannot drift apart.
@@ -51,7 +51,7 @@ def find_resume_checkpoint(cfg: Config, world) -> Path | None:
             path = resume_decision(cfg)
         except UserError as e:
             problem = str(e)
-    path, problem = distributed.broadcast_object((path, problem), name="resume_checkpoint")
+    path, problem = distributed.broadcast_object((path, problem), name="resume_checkpoint")  # Horovod: broadcast
     if problem:
         raise UserError(problem)
     return path
@@ -108,10 +108,11 @@ class TrainingState:
         self.step = 0
         self.position = 0
 
-    def restore(self, path: Path | None):
+    def load_and_share(self, path: Path | None):
         """Start from `path` (a checkpoint) or afresh; collective. Without pipeline stages rank 0
         reads the checkpoint and broadcasts; with them every worker reads its stage's part (the
-        copies of a stage start equal anyway: the same seed, the same files)."""
+        copies of a stage start equal anyway: the same seed, the same files). (An elastic job's
+        rollback to its in-memory commit is local: hvdtrain.elastic.ElasticState.restore.)"""
         saved = None
         if path is not None and (self.world.is_main or self.layout is not None):
             checkpoint.load_weights(self.model, path, self.aliases)
@@ -120,8 +121,9 @@ class TrainingState:
             saved = checkpoint.read_state(path)
             saved["rngs"] = checkpoint.read_rngs(path, saved["world_size"])
         if self.layout is None:
+            # Horovod: broadcast parameters (and optimizer state) from rank 0
             distributed.broadcast_state(self.model, self.optimizer, resumed=path is not None)
-        saved = distributed.broadcast_object(saved, name="training_state")
+        saved = distributed.broadcast_object(saved, name="training_state")  # Horovod: broadcast from rank 0
         seed, rank = self.cfg.train.seed, self.world.rank
         if saved is None:
             rng.reseed_for_training(seed, rank, 0)
@@ -138,16 +140,16 @@ class TrainingState:
         """Write a checkpoint of the current step; collective (every rank gives its RNG state,
         each writer its part, fsynced and checksummed, rank 0 the rest and the manifest once
         all parts are on disk)."""
-        rngs = distributed.allgather_object(rng.capture(), name="rng")
+        rngs = distributed.allgather_object(rng.capture(), name="rng")  # Horovod: allgather
         tmp = checkpoint.begin_checkpoint(self.cfg.out_dir, self.step) if self.world.is_main else None
-        tmp = distributed.broadcast_object(tmp, name="checkpoint_folder")
+        tmp = distributed.broadcast_object(tmp, name="checkpoint_folder")  # Horovod: broadcast from rank 0
         if self.layout is None:
             index, count, writer = 0, 1, self.world.is_main
         else:  # the first copy of each stage
             index, count, writer = self.layout.stage, self.layout.stages, self.layout.dp_rank == 0
         part = checkpoint.write_part(tmp, index, count, self.model, self.optimizer) if writer else {}
         # Once every part is on disk, rank 0 has their manifest entries (not their bytes).
-        parts = distributed.allgather_object(part, name="checkpoint_parts")
+        parts = distributed.allgather_object(part, name="checkpoint_parts")  # Horovod: allgather
         if self.world.is_main:
             checkpoint.finish_checkpoint(
                 tmp, self.step, self.model.config,
@@ -156,4 +158,4 @@ class TrainingState:
                 rngs, keep=self.cfg.checkpoint.keep, parts={k: v for p in parts for k, v in p.items()})
         # Nobody leaves before the checkpoint is in place: a worker that exits right after (a
         # preempted run) must not make the launcher kill rank 0 while it renames.
-        distributed.allreduce_sum([0.0], name="checkpoint_done")
+        distributed.barrier("checkpoint_done")  # Horovod: barrier

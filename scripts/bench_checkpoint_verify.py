@@ -22,6 +22,6 @@ with tempfile.TemporaryDirectory() as d:
     times = []
     for _ in range(3):
         t = time.perf_counter()
-        assert checkpoint.problem(path) is None
+        assert checkpoint.find_problem(path) is None
         times.append(time.perf_counter() - t)
     print(f"GPT-2 124M checkpoint: {size/1e9:.2f} GB, write {write:.1f} s, verify {min(times):.2f} s (best of 3) = {min(times)/(size/1e9):.2f} s/GB")

@@ -31,7 +31,7 @@ def write(out_dir, step, model, optimizer, keep=5):
 def test_round_trip_by_parameter_name(tmp_path):
     model, optimizer = tiny_model_and_optimizer()
     path = write(tmp_path, 3, model, optimizer)
-    assert checkpoint.problem(path) is None
+    assert checkpoint.find_problem(path) is None
     assert sorted(f.name for f in path.iterdir()) == sorted(
         ["config.json", "model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json", "manifest.json"])
     fresh_model, fresh_optimizer = tiny_model_and_optimizer()
@@ -55,7 +55,7 @@ def test_crash_between_the_renames_keeps_the_complete_version(tmp_path):
     write(tmp_path, 4, model, optimizer).rename(root / ".tmp-step_00000004")
     checkpoint.recover_interrupted_writes(tmp_path)
     assert [p.name for p in root.iterdir()] == ["step_00000004"]
-    assert checkpoint.problem(root / "step_00000004") is None
+    assert checkpoint.find_problem(root / "step_00000004") is None
     # The new version was not complete (no manifest yet): the old one is put back.
     (root / "step_00000004").rename(root / ".old-step_00000004")
     incomplete = write(tmp_path, 4, model, optimizer)
@@ -63,7 +63,7 @@ def test_crash_between_the_renames_keeps_the_complete_version(tmp_path):
     incomplete.rename(root / ".tmp-step_00000004")
     checkpoint.recover_interrupted_writes(tmp_path)
     assert [p.name for p in root.iterdir()] == ["step_00000004"]
-    assert checkpoint.problem(root / "step_00000004") is None
+    assert checkpoint.find_problem(root / "step_00000004") is None
 
 
 def test_keep_never_deletes_the_checkpoint_just_written(tmp_path):
@@ -88,7 +88,7 @@ def test_damaged_newest_checkpoint_is_set_aside(tmp_path, damage):
         target.write_bytes(bytes(data))
     else:
         (newest / "manifest.json").unlink()
-    assert checkpoint.problem(newest) is not None
+    assert checkpoint.find_problem(newest) is not None
     with pytest.raises(UserError, match="step_00000004"):
         checkpoint.resolve_checkpoint(newest)
     assert checkpoint.newest_intact_checkpoint(tmp_path).name == "step_00000002"

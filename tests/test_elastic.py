@@ -172,7 +172,7 @@ def test_below_min_np_too_long_stops_clearly_and_the_checkpoint_resumes(tmp_path
     assert "fewer than --min-np 2 workers for longer than --elastic-timeout (5 s)" in stderr, stderr[-3000:]
     assert "Traceback" not in stderr
     newest = checkpoint.newest_intact_checkpoint(out)
-    assert newest is not None and checkpoint.problem(newest) is None
+    assert newest is not None and checkpoint.find_problem(newest) is None
     done = checkpoint.read_state(newest)["step"]
     resumed = hvdtrain("launch", "-np", "1", config, f"out_dir={out}", "train.slow_ranks=[]", timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -189,5 +189,5 @@ def test_an_export_that_fails_half_way_leaves_nothing_behind_and_the_run_intact(
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and f"could not write the Hugging Face folder {target}" in lines[0], proc.stderr
     assert not target.exists() and not list(tmp_path.glob(".exported*"))
-    assert checkpoint.problem(checkpoint.newest_intact_checkpoint(out)) is None
+    assert checkpoint.find_problem(checkpoint.newest_intact_checkpoint(out)) is None
     assert hvdtrain("export", out, target).returncode == 0 and (target / "model.safetensors").is_file()

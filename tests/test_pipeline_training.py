@@ -166,7 +166,7 @@ def test_each_stage_checksums_its_own_part_and_a_damaged_part_is_found_at_resume
     assert not second & set(by_rank[0]) and first <= set(by_rank[0])
     assert sorted(by_rank[1]) == sorted([*second, *second])  # its part of steps 2 and 4, nothing else
     newest = checkpoint.newest_intact_checkpoint(out)
-    assert newest.name == "step_00000004" and checkpoint.problem(newest) is None  # the manifest is right
+    assert newest.name == "step_00000004" and checkpoint.find_problem(newest) is None  # the manifest is right
     assert second <= {p.name for p in newest.iterdir()}
     damaged = newest / "model-00002-of-00002.safetensors"
     data = bytearray(damaged.read_bytes())

@@ -54,7 +54,7 @@ def test_kill_during_checkpoint_write_keeps_previous_checkpoint(tmp_path, tiny_c
     assert any(p.name.startswith(".tmp-step_00000004") for p in checkpoint.checkpoint_dir(out).iterdir())
     newest = checkpoint.newest_intact_checkpoint(out)
     assert newest.name == "step_00000002"
-    assert checkpoint.problem(newest) is None
+    assert checkpoint.find_problem(newest) is None
     state = checkpoint.read_state(newest)
     assert state["step"] == 2 and state["position"] == 2 * 8
     # The same command resumes from step 2 and finishes; the partial write is cleaned up.

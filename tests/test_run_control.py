@@ -46,7 +46,7 @@ def test_a_non_finite_step_is_skipped_and_counted(tmp_path, tiny_config, precisi
     assert [r["skipped_steps"] for r in records] == [0, 0, 1, 0, 0, 0]
     assert math.isnan(records[2]["loss"]) and not math.isfinite(records[2]["grad_norm"])
     assert all(math.isfinite(r["loss"]) for i, r in enumerate(records) if i != 2)
-    assert checkpoint.problem(checkpoint.newest_intact_checkpoint(out)) is None
+    assert checkpoint.find_problem(checkpoint.newest_intact_checkpoint(out)) is None
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])

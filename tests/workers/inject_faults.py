@@ -10,13 +10,13 @@ import sys
 
 import horovod.torch as hvd
 
-from hvdtrain import cli
+from hvdtrain import cli, step_engine
 from hvdtrain import train as training
 
 signal_rank, signal_step = map(int, os.environ.get("HVDTRAIN_TEST_SIGNAL", "-1:-1").split(":"))
 nan_steps = {int(s) for s in os.environ.get("HVDTRAIN_TEST_NAN_STEPS", "").split(",") if s}
 current = {"step": -1}
-real_lr_multiplier, real_token_loss_sum = training.lr_multiplier, training.token_loss_sum
+real_lr_multiplier, real_token_loss_sum = training.lr_multiplier, step_engine.token_loss_sum
 
 
 def lr_multiplier(step, cfg):  # called once at the start of every step
@@ -31,5 +31,5 @@ def token_loss_sum(model, batch):
     return loss * float("nan") if current["step"] in nan_steps else loss
 
 
-training.lr_multiplier, training.token_loss_sum = lr_multiplier, token_loss_sum
+training.lr_multiplier, step_engine.token_loss_sum = lr_multiplier, token_loss_sum
 sys.exit(cli.main(["train", *sys.argv[1:]]))

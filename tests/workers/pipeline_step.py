@@ -9,7 +9,8 @@ ARCH-SCHEDULE-REDUCE, e.g. gpt2-1f1b-hooks: the model is split into P stages (2 
 interleaved1f1b), gradients are reduced within each stage's process set by
 hvd.DistributedOptimizer's hooks during the pipeline's backward (`hooks`) or by one grouped
 allreduce after it (`after`). Both ways train on the same global batches, sum token losses,
-normalise by the step's target tokens, clip to one global norm and step.
+normalise by the step's target tokens, clip to one global norm and step: the reference written
+out here, the pipelined cases through the training loop's step engine (hvdtrain.step_engine).
 
 Each case writes OUT_DIR/CASE/: result.json from rank 0 (per-step loss and gradient norm
 before clipping, an evaluation loss at the end) and params_rank{R}.safetensors (the rank's
@@ -22,10 +23,12 @@ import horovod.torch as hvd
 import torch
 from safetensors.torch import save_file
 
-from hvdtrain import pipeline
-from hvdtrain.config import ModelConfig
+from hvdtrain import distributed, pipeline
+from hvdtrain.config import Config, ModelConfig, ParallelConfig
 from hvdtrain.models import IGNORE_INDEX, Vocab, build_model, logits_and_labels
-from hvdtrain.run_control import NonFiniteGuard
+from hvdtrain.run_guards import NonFiniteGuard
+from hvdtrain.step_engine import PipelinedStep, autocast_for
+from hvdtrain.step_timer import StepTimer
 
 N_LAYER, SEQ, VOCAB, MASK_ID = 4, 16, 128, 4
 GLOBAL_BATCH, MICROBATCHES, STEPS = 8, 4, 4
@@ -99,6 +102,7 @@ def train_reference(arch: str, layout: pipeline.Layout) -> tuple[dict, torch.nn.
 
 
 def train_pipelined(case: str, layout: pipeline.Layout, groups: pipeline.Groups) -> tuple[dict, torch.nn.Module]:
+    """The training loop's own step engine (hvdtrain.step_engine.PipelinedStep), step by step."""
     arch, schedule, reduce = case.split("-")
     per_rank = 2 if schedule == "interleaved1f1b" else 1
     layout = pipeline.Layout(layout.stages, layout.dp, layout.stage, layout.dp_rank, per_rank)
@@ -110,37 +114,37 @@ def train_pipelined(case: str, layout: pipeline.Layout, groups: pipeline.Groups)
                                              process_set=groups.process_set,
                                              backward_passes_per_step=MICROBATCHES)
     pipeline.broadcast_stage(stage, layout, groups)
+    cfg = Config(parallel=ParallelConfig(pipeline_stages=layout.stages, schedule=schedule))
+    normalizer = distributed.TokenNormalizer("average", layout.dp, GLOBAL_BATCH // layout.dp * SEQ)
+    engine = PipelinedStep(stage, optimizer, torch.amp.GradScaler("cpu", enabled=False), normalizer,
+                           autocast_for(torch.device("cpu"), "fp32"), torch.device("cpu"), layout, groups, pipe,
+                           reduce == "after", cfg)
+    timer, guard = StepTimer(torch.device("cpu"), enabled=False), NonFiniteGuard(torch.device("cpu"), 10)
+    totals = distributed.StepTotals(layout.stages)
     result = {"losses": [], "norms": [], "reduced_in_backward": reduce == "hooks"}
     for step in range(STEPS):
         ids, labels = global_batch(arch, step)
-        targets = int((labels != IGNORE_INDEX).sum())
-        pipe.loss.scale = 1.0 / targets
-        local = pipeline.run(pipe, my_slice(ids, layout), my_slice(labels, layout))
+        ids, labels = my_slice(ids, layout), my_slice(labels, layout)
+        totals.start(int((labels != IGNORE_INDEX).sum()))
+        local = engine.forward_backward([{"input_ids": i, "labels": lab}
+                                         for i, lab in zip(ids.chunk(MICROBATCHES), labels.chunk(MICROBATCHES))], timer)
         if reduce == "hooks":
             # Horovod's hooks must have started every allreduce while the schedule's backward ran
             started = [handle is not None for handle, _ in optimizer._handles.values()]
             result["reduced_in_backward"] &= len(started) == len(optimizer._requires_update) and all(started)
-            optimizer.synchronize()
-        else:
-            pipeline.allreduce_grads_after(stage.parameters(), groups)
-        pipeline.allreduce_tied_grads(stage, groups)
-        for p in stage.parameters():
-            p.grad.mul_(layout.dp)
-        result["norms"].append(pipeline.clip_grad_norm_(stage, MAX_NORM, groups).item())
-        if reduce == "hooks":
-            with optimizer.skip_synchronize():
-                optimizer.step()
-        else:
-            optimizer.step()
-        optimizer.zero_grad()
-        result["losses"].append(hvd.allreduce(local, op=hvd.Sum, name="loss").item() / targets)
+        engine.reduce_gradients()
+        targets, _ = totals.wait()
+        engine.normalize(targets)
+        norm = engine.clip_gradients(MAX_NORM)
+        result["norms"].append(norm.item())
+        engine.optimizer_step(guard, norm)
+        result["losses"].append(hvd.allreduce(local.double(), op=hvd.Sum, name="loss").item() / targets)
     result["scaler"] = fp16_skips(stage, layout, groups)
     result["after_reduction"] = after_reduction(layout, groups)
-    stage.eval()
     ids, labels = global_batch(arch, 0)
-    with torch.no_grad():
-        local = pipeline.run(pipe, my_slice(ids, layout), my_slice(labels, layout), train=False)
-    result["eval_loss"] = hvd.allreduce(local, op=hvd.Sum, name="eval").item() / int((labels != IGNORE_INDEX).sum())
+    loader = [{"input_ids": i, "labels": lab} for i, lab in zip(my_slice(ids, layout).chunk(MICROBATCHES),
+                                                           my_slice(labels, layout).chunk(MICROBATCHES))]
+    result["eval_loss"] = engine.evaluate(loader)["eval_loss"]
     return result, stage
 
 
