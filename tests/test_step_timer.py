@@ -69,14 +69,14 @@ def test_cuda_phases_use_events_and_never_synchronize_inside_a_step(monkeypatch,
     for interval in range(2):
         for _ in range(3):
             fake.in_step = True
-            run_step(timer, {"data": 0.005, "backward": 0.02})
+            run_step(timer, {"data": 0.005, "backward": 0.05})
             fake.in_step = False
         means, step = timer.interval()
         by_phase = dict(zip(PHASES, means))
         # One wait per interval, breakdown on or off: the step time must include the GPU's work.
         assert fake.synchronized == interval + 1
         if enabled:
-            assert 0.005 <= by_phase["data"] < 0.015 and 0.02 <= by_phase["backward"] < 0.03
+            assert 0.005 <= by_phase["data"] < 0.035 and 0.05 <= by_phase["backward"] < 0.08
             assert sum(means) <= step
         else:
             assert means == [0.0] * len(PHASES)
