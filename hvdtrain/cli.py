@@ -3,7 +3,7 @@
   hvdtrain train CONFIG [key=value ...]              one worker (under horovodrun, or alone)
   hvdtrain launch -np N [-H h1:4,h2:4] CONFIG [...]   N workers through horovodrun (--elastic: Horovod Elastic)
   hvdtrain prepare CONFIG [...]                      tokenize the data into the cache (alone or under horovodrun)
-  hvdtrain profile CONFIG [...]                      a short profiled run (see hvdtrain/profiling.py)
+  hvdtrain profile CONFIG [...]                      a short profiled run (see hvdtrain/observe/profiling.py)
   hvdtrain doctor                                    what this installation can do
   hvdtrain export RUN_OR_CHECKPOINT OUT              a Hugging Face folder
   hvdtrain report RUN_DIR                            summary table and plots of a run
@@ -20,9 +20,11 @@ import logging
 import os
 import sys
 
-from hvdtrain import bench, export, inference, plan, prepare, report
+from hvdtrain.tools import bench, inference, plan, report
+from hvdtrain.checkpointing import export
+from hvdtrain.data import prepare_job as prepare
 from hvdtrain.errors import UserError
-from hvdtrain.launch import add_config_args, add_elastic_options, add_launch_options, run_launch
+from hvdtrain.launching.launch import add_config_args, add_elastic_options, add_launch_options, run_launch
 
 RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
 
@@ -36,14 +38,14 @@ def process_rank() -> int:
 
 def run_train(args) -> int:
     from hvdtrain.config import load_config
-    from hvdtrain.distributed import is_elastic_job
-    from hvdtrain.run_guards import RunStopped
+    from hvdtrain.parallel.distributed import is_elastic_job
+    from hvdtrain.training.run_guards import RunStopped
 
     cfg = load_config(args.config, args.overrides)
     if is_elastic_job():
-        from hvdtrain.elastic import train_elastic as train
+        from hvdtrain.parallel.elastic import train_elastic as train
     else:
-        from hvdtrain.train import train
+        from hvdtrain.training.train import train
     try:
         train(cfg)
     except RunStopped as stopped:  # on purpose (preemption, divergence): its own exit code
@@ -59,7 +61,7 @@ def run_profile(args) -> int:
 
 
 def run_doctor(args) -> int:
-    from hvdtrain.doctor import run_doctor as doctor
+    from hvdtrain.tools.doctor import run_doctor as doctor
     return doctor(args)
 
 

@@ -11,10 +11,10 @@ every section's check, then the few checks that relate keys of different section
 is one field (with its comment) and, when it has bounds, one line in its section's check.
 
 Not config keys, on purpose: the speed switches `HVDTRAIN_LOSS`, `HVDTRAIN_COMPILE_SCOPE` and
-`HVDTRAIN_COMPILE_MODE` (environment variables, hvdtrain/models.py SWITCHES) are experiments that
+`HVDTRAIN_COMPILE_MODE` (environment variables, hvdtrain/models/common.py SWITCHES) are experiments that
 `hvdtrain bench compare --vary env:NAME=a,b` measures in one process, until a GPU measurement
 makes one the default or removes it; the `HVDTRAIN_TEST_*` variables are hooks of the tests
-(tests/workers/) and the fault campaign (HVDTRAIN_TEST_CHECKPOINT_PAUSE in hvdtrain/checkpoint.py).
+(tests/workers/) and the fault campaign (HVDTRAIN_TEST_CHECKPOINT_PAUSE in hvdtrain/checkpointing/checkpoint.py).
 The config's own debug aids are train.slow_ranks and train.slow_seconds (see TrainConfig).
 """
 import dataclasses
@@ -28,7 +28,7 @@ from typing import Literal, Optional
 import yaml
 
 from hvdtrain.errors import UserError
-from hvdtrain.families import NAMES as FAMILY_NAMES
+from hvdtrain.models import NAMES as FAMILY_NAMES
 
 
 def _require(ok: bool, key: str, expected: str, value):
@@ -41,7 +41,7 @@ def _require(ok: bool, key: str, expected: str, value):
 class ModelConfig:
     """The transformer trained, and its shape when it is built from scratch. The defaults are
     a toy model that trains in seconds on a CPU; the recipes set real shapes."""
-    # The model family (hvdtrain.families): "gpt2" (causal LM, transformers' GPT2LMHeadModel)
+    # The model family (hvdtrain.models): "gpt2" (causal LM, transformers' GPT2LMHeadModel)
     # or "bert" (masked LM, BertForMaskedLM).
     arch: Literal[FAMILY_NAMES] = "gpt2"
     # A local folder or hub name of a Hugging Face model of this arch to continue pretraining
@@ -141,7 +141,7 @@ class TrainConfig:
     # planned end within a time-limited allocation). A run that resumes at or past it, such as
     # the same command run again, ignores it and continues to max_steps. See last_step_of_run().
     stop_at_step: Optional[int] = None
-    # "adamw" (torch's AdamW, fused on GPUs) or "lamb" (hvdtrain.lamb, NVIDIA's LAMB for very
+    # "adamw" (torch's AdamW, fused on GPUs) or "lamb" (hvdtrain.optim.lamb, NVIDIA's LAMB for very
     # large batches; it needs weight_decay > 0).
     optimizer: Literal["adamw", "lamb"] = "adamw"
     lr: float = 3e-4  # the peak learning rate, reached at the end of warmup (times lr_scaling's factor)
@@ -156,7 +156,7 @@ class TrainConfig:
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"
     warmup_steps: int = 10  # steps of linear warmup, from lr / warmup_steps to lr; 0: none
     # After warmup: a "constant" rate, or a "linear" or "cosine" decay to min_lr_ratio * lr at
-    # max_steps (hvdtrain.lr_schedule).
+    # max_steps (hvdtrain.optim.lr_schedule).
     schedule: Literal["constant", "linear", "cosine"] = "cosine"
     # Seeds the model's initialisation (the same on every rank), the data order and the BERT
     # masks, and each rank's dropout stream. A resume must use the checkpoint's.
@@ -208,7 +208,7 @@ class HorovodConfig:
     # parallel.reduce_gradients; so is gradient_predivide_factor applied.
     compression: Literal["none", "fp16"] = "none"
     # How the workers' gradients are combined: "average" (Horovod's default) or "sum". The
-    # token normalisation (hvdtrain.distributed.TokenNormalizer) turns either into the same
+    # token normalisation (hvdtrain.parallel.distributed.TokenNormalizer) turns either into the same
     # step. "adasum" is refused (see check below).
     op: Literal["average", "adasum", "sum"] = "average"
     # With op "average", Horovod divides the gradients by this factor before the sum and by
@@ -227,7 +227,7 @@ class HorovodConfig:
     # A worker that stops taking part (stuck in I/O, a deadlock, SIGSTOP) leaves the others
     # waiting in a collective for ever: after this many seconds without a finished step (or
     # evaluation or checkpoint) every worker says where it is and exits, naming the stalled rank
-    # (see hvdtrain.run_guards.StallWatchdog). 0: wait for ever. As torch's NCCL default, 10 min.
+    # (see hvdtrain.training.run_guards.StallWatchdog). 0: wait for ever. As torch's NCCL default, 10 min.
     stall_timeout_s: float = 600.0
 
     def check(self):
@@ -332,7 +332,7 @@ class EvalConfig:
 
 @dataclass
 class ProfileConfig:
-    """A profiled run (hvdtrain profile; hvdtrain.profiling): torch.profiler on some ranks,
+    """A profiled run (hvdtrain profile; hvdtrain.observe.profiling): torch.profiler on some ranks,
     written to out_dir/profile. Steps count the optimizer steps of this run (a resume counts
     from where it starts)."""
     enabled: bool = False  # `hvdtrain profile CONFIG` sets it
@@ -531,7 +531,7 @@ def resolve_batch(cfg: Config, world_size: int) -> tuple[int, int]:
     grad_accum = ceil(ceil(global / copies) / micro_batch_size) micro batches. When the copies
     do not divide the global batch evenly into micro batches of that size (an elastic job that
     lost a worker: 512 on 7 workers), ranks take uneven shares of it in micro batches of at most
-    train.micro_batch_size (hvdtrain.sampler.StreamSampler); the loss is normalised by the
+    train.micro_batch_size (hvdtrain.data.sampler.StreamSampler); the loss is normalised by the
     step's target tokens on all ranks, so the step is exactly the same. With pipeline stages,
     the copies that read different data are world_size / parallel.pipeline_stages, and the
     division must be exact (a schedule's run splits into micro batches of one size)."""

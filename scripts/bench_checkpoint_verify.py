@@ -8,7 +8,8 @@ import time
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from hvdtrain import checkpoint, rng
+from hvdtrain.checkpointing import checkpoint
+from hvdtrain.training import rng
 
 model = GPT2LMHeadModel(GPT2Config())
 opt = torch.optim.AdamW(model.parameters())

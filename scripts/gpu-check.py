@@ -23,7 +23,7 @@ is skipped when less than its minimum is left, so the last ones may not run:
                    and hvdtrain with log.step_breakdown=false (the breakdown's cost)
   train-gpt2       hvdtrain train gpt2-small, 1 GPU, 300 steps on synthetic data: metrics.jsonl
   compare-bert     bench compare bert-large (B=128, T=128), and hvdtrain with AdamW instead of LAMB
-  switches-gpt2    hvdtrain compiled with each speed switch (hvdtrain.models.SWITCHES)
+  switches-gpt2    hvdtrain compiled with each speed switch (hvdtrain.models.common.SWITCHES)
   hf-compiled      hf_baseline.py compiled (GPT-2, BERT-large)
 A compare cut short by its time limit still reports the windows it finished.
 Everything lands in $OUT (or --out): log.txt (all output), summary.json (every parsed figure),
@@ -91,8 +91,8 @@ def stages(carry: Path, out: Path, work: Path) -> list[Stage]:
                             "tests/test_step_timer.py"], 150, 20)
     return [
         Stage("wheels", [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", *wheels], 60, 5),
-        Stage("imports", [sys.executable, "-c", "import cffi, datasets, torch, transformers, hvdtrain.train, "
-                          "hvdtrain.bench; print('imports ok: datasets', datasets.__version__)"], 60, 5),
+        Stage("imports", [sys.executable, "-c", "import cffi, datasets, torch, transformers, hvdtrain.training.train, "
+                          "hvdtrain.tools.bench; print('imports ok: datasets', datasets.__version__)"], 60, 5),
         # Horovod needs no GPU to build: hf_baseline and the tests use it meanwhile, on cores of their own.
         Stage("horovod", [sys.executable, str(REPO / "scripts" / "install.py"), "--no-venv", "--python",
                           sys.executable, "--cache-dir", str(carry / "cache"), "--no-hvdtrain", "--no-apt",

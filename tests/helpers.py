@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from hvdtrain.config import deep_merge
-from hvdtrain.metrics import read_metrics as read_run_metrics
+from hvdtrain.observe.metrics import read_metrics as read_run_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

@@ -1,11 +1,11 @@
-"""`hvdtrain bench pipeline` (hvdtrain/bench_pipeline.py): the bubble fit on numbers worked out
+"""`hvdtrain bench pipeline` (hvdtrain/tools/bench_pipeline.py): the bubble fit on numbers worked out
 by hand, the one-line errors before any worker starts, and one real run at the smallest sizes."""
 import json
 
 import pytest
 
 from helpers import hvdtrain
-from hvdtrain import bench_pipeline
+from hvdtrain.tools import bench_pipeline
 from hvdtrain.cli import build_parser
 from hvdtrain.errors import UserError
 

@@ -7,11 +7,12 @@ import pickle
 import pytest
 import torch
 
-from hvdtrain import checkpoint, rng
+from hvdtrain.checkpointing import checkpoint
+from hvdtrain.training import rng
 from hvdtrain.errors import UserError
 from hvdtrain.config import ModelConfig, TrainConfig
-from hvdtrain.models import Vocab, build_model
-from hvdtrain.optimizers import build_optimizer
+from hvdtrain.models.common import Vocab, build_model
+from hvdtrain.optim.optimizers import build_optimizer
 
 
 def tiny_model_and_optimizer():

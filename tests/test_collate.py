@@ -6,7 +6,7 @@ import torch
 from hvdtrain.data import synthetic_blocks, synthetic_vocab
 from hvdtrain.data.collate import CausalLMCollator, MaskedLMCollator
 from hvdtrain.config import Config
-from hvdtrain.models import IGNORE_INDEX
+from hvdtrain.models.common import IGNORE_INDEX
 
 
 def samples(blocks, start=0):

@@ -50,7 +50,7 @@ def test_lr_scaling_needs_a_batch_that_grows_with_the_workers(tmp_path):
 
 
 def test_lamb_needs_weight_decay():
-    """LAMB's trust ratio applies to the parameters with weight decay only (hvdtrain.lamb)."""
+    """LAMB's trust ratio applies to the parameters with weight decay only (hvdtrain.optim.lamb)."""
     with pytest.raises(UserError, match=r"'train.weight_decay'.*'lamb'"):
         load_config(None, ["train.optimizer=lamb", "train.weight_decay=0"])
     assert load_config(None, ["train.optimizer=lamb", "train.weight_decay=0.01"]).train.optimizer == "lamb"

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from helpers import read_metrics, train_workers
-from hvdtrain.metrics import PHASES
+from hvdtrain.observe.metrics import PHASES
 
 pytestmark = pytest.mark.workers
 

@@ -12,8 +12,8 @@ import pytest
 
 from helpers import (BIN, OFFLINE, REPO, WORKERS, assert_same_losses, assert_same_params, discovery, hvdtrain,
                      load_params, read_metrics, run_cmd, step_losses, train_workers)
-from hvdtrain import checkpoint
-from hvdtrain.metrics import FILE_NAME, read_records
+from hvdtrain.checkpointing import checkpoint
+from hvdtrain.observe.metrics import FILE_NAME, read_records
 
 pytestmark = pytest.mark.workers
 STEPS = 8

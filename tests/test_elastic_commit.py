@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from hvdtrain.config import ModelConfig, TrainConfig
-from hvdtrain.elastic import ElasticState
-from hvdtrain.models import Vocab, build_model
-from hvdtrain.optimizers import build_optimizer
-from hvdtrain.training_state import TrainingState
+from hvdtrain.parallel.elastic import ElasticState
+from hvdtrain.models.common import Vocab, build_model
+from hvdtrain.optim.optimizers import build_optimizer
+from hvdtrain.training.training_state import TrainingState
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a GPU: on the CPU the live state is in host memory already"))]

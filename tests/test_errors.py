@@ -140,7 +140,7 @@ def test_out_dir_that_is_a_file_is_refused(tmp_path, tiny_config):
 def test_a_checkpoint_write_that_fails_half_way_keeps_the_earlier_ones(tmp_path, tiny_config):
     """A file-size limit (as a full disk would) stops the step-6 checkpoint half way: one line,
     non-zero exit, no temporary folder left, and the step-4 checkpoint still resumes."""
-    from hvdtrain import checkpoint
+    from hvdtrain.checkpointing import checkpoint
     config = tiny_config({"train": {"max_steps": 8}, "checkpoint": {"every": 2, "keep": 5}})
     out = tmp_path / "run"
     assert hvdtrain("train", config, f"out_dir={out}", "train.stop_at_step=4").returncode == 0
@@ -180,7 +180,7 @@ def test_every_path_a_user_gives_is_checked_before_anything_is_written(tmp_path,
 
 def test_an_export_that_fails_half_way_leaves_nothing_behind_and_the_run_intact(tmp_path, tiny_config):
     """A file-size limit (as a full disk would) stops the export's weights half way."""
-    from hvdtrain import checkpoint
+    from hvdtrain.checkpointing import checkpoint
     out, target = tmp_path / "run", tmp_path / "exported"
     assert hvdtrain("train", tiny_config(), f"out_dir={out}").returncode == 0
     size_kb = (out / "hf" / "model.safetensors").stat().st_size // 1024

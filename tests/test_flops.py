@@ -1,4 +1,4 @@
-"""hvdtrain.flops: parameter counts against hand arithmetic and against transformers' own
+"""hvdtrain.models.flops: parameter counts against hand arithmetic and against transformers' own
 models, the 6N + 12·L·d·T formula, the GPU peak table's name matching, and MFU, also as
 metrics.Throughput measures it in training."""
 import types
@@ -6,7 +6,7 @@ import types
 import pytest
 
 from hvdtrain.config import config_from_dict
-from hvdtrain.flops import (built_model_dims, count_params, flops_params, flops_per_token, mfu, model_dims,
+from hvdtrain.models.flops import (built_model_dims, count_params, flops_params, flops_per_token, mfu, model_dims,
                             model_flops_per_token, peak_tflops)
 
 GPT2_124M = dict(arch="gpt2", n_layer=12, d_model=768, d_ff=3072, vocab_size=50257, max_position=1024)
@@ -108,7 +108,7 @@ class _World:
 def test_throughput_counts_the_real_model_not_the_config():
     """With model.pretrained the model.* keys do not describe the model: a 3 x 96 checkpoint
     trained under a config that says 2 x 64 (the defaults) runs at the checkpoint's FLOPs."""
-    from hvdtrain.metrics import Throughput
+    from hvdtrain.observe.metrics import Throughput
     cfg = config_from_dict({"model": {"pretrained": "some/checkpoint"},
                             "data": {"seq_len": 64, "vocab_size": 4096}, "log": {"peak_tflops": 1.0}})
     real = dict(arch="gpt2", n_layer=3, d_model=96, d_ff=200, vocab_size=257, max_position=64)
@@ -123,7 +123,7 @@ def test_throughput_counts_the_real_model_not_the_config():
 
 
 def test_throughput_of_an_uncounted_model_type_has_no_mfu():
-    from hvdtrain.metrics import Throughput
+    from hvdtrain.observe.metrics import Throughput
     cfg = config_from_dict({"log": {"peak_tflops": 1.0}})
     world = _World()
     throughput = Throughput(cfg, types.SimpleNamespace(model_type="llama"), world, global_batch=8)

@@ -1,6 +1,6 @@
 import torch
 
-from hvdtrain.lamb import Lamb
+from hvdtrain.optim.lamb import Lamb
 
 
 def reference_lamb(w, grads, lr, betas, eps, wd):

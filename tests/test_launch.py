@@ -1,6 +1,6 @@
 """`hvdtrain launch`: the user sees the first real error of the first failing worker, once.
 
-The first tests feed the relay (hvdtrain/relay.py) horovodrun and mpirun output as recorded on
+The first tests feed the relay (hvdtrain/launching/relay.py) horovodrun and mpirun output as recorded on
 this machine (shortened; paths kept), so each kind of failure is checked in milliseconds. The
 tests marked `workers` then make a real worker fail in a real run (tests/workers/
 failure_injection), under Gloo and MPI, and start horovodrun where it cannot start workers.
@@ -13,7 +13,7 @@ import time
 import pytest
 
 from helpers import BIN, horovodrun, hvdtrain, inject
-from hvdtrain.relay import Relay
+from hvdtrain.launching.relay import Relay
 
 # ---------------------------------------------------------------- recorded output
 
@@ -22,7 +22,7 @@ Traceback (most recent call last):
   File "/work/main/hvdtrain/cli.py", line 94, in main
     return args.func(args)
            ^^^^^^^^^^^^^^^
-  File "/work/main/hvdtrain/train.py", line 193, in train
+  File "/work/main/hvdtrain/training/train.py", line 193, in train
     loss = torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX,
 """
 REAL_ERROR = FRAMES + "RuntimeError: injected failure in the middle of training\n"
@@ -183,7 +183,7 @@ def test_a_run_stopped_on_purpose_keeps_its_exit_code():
 
 WAITING = ("[{rank}]<stderr>:hvdtrain: stalled: rank {rank} is waiting for the others: no step finished in 5 s "
            "after step 3 (horovod.stall_timeout_s=5); in synchronize, called from run_steps "
-           "(hvdtrain/train.py:327)\n")
+           "(hvdtrain/training/train.py:327)\n")
 
 
 def test_a_stopped_worker_is_named_as_the_one_the_others_waited_for():
@@ -210,11 +210,11 @@ def test_a_stopped_worker_that_says_so_itself_is_named_without_open_mpi_s_echo()
 def test_a_stuck_worker_says_where_it_is_stuck():
     output = ("[1]<stderr>:hvdtrain: stalled: rank 1 is stuck: no step finished in 5 s after step 0 "
               "(horovod.stall_timeout_s=5); in read (hvdtrain/data/streams.py:80), called from run_steps "
-              "(hvdtrain/train.py:300)\n" + WAITING.format(rank=0) + "Process 1 exit with status code 4.\n"
+              "(hvdtrain/training/train.py:300)\n" + WAITING.format(rank=0) + "Process 1 exit with status code 4.\n"
               + HOROVODRUN_WORKERS_FAILED.format(rank=1, code=4))
     assert relay(output, 1) == (
         4, "", "hvdtrain: error: worker 1 stalled: no step finished in 5 s after step 0 (horovod.stall_timeout_s=5); "
-               "in read (hvdtrain/data/streams.py:80), called from run_steps (hvdtrain/train.py:300)\n")
+               "in read (hvdtrain/data/streams.py:80), called from run_steps (hvdtrain/training/train.py:300)\n")
 
 
 def test_after_a_successful_run_nothing_is_lost():
@@ -354,7 +354,7 @@ def test_a_stop_signal_to_the_launcher_stops_the_workers_as_a_preemption(tmp_pat
     its checkpoint and stop, and the launcher says so and exits 75 (run the same command again)."""
     import signal
     from helpers import start_cmd
-    from hvdtrain import checkpoint
+    from hvdtrain.checkpointing import checkpoint
     out = tmp_path / "run"
     config = tiny_config({"train": {"max_steps": 500, "slow_ranks": [0, 1], "slow_seconds": 0.2}})
     launcher = start_cmd([BIN / "hvdtrain", "launch", "-np", "2", "--gloo", config, f"out_dir={out}"])

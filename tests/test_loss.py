@@ -15,7 +15,7 @@ from hvdtrain.config import ModelConfig
 from hvdtrain.data import synthetic_blocks
 from hvdtrain.data.collate import CausalLMCollator, MaskedLMCollator
 from hvdtrain.errors import UserError
-from hvdtrain.models import (IGNORE_INDEX, Vocab, build_model, linear_cross_entropy_sum, logits_and_labels,
+from hvdtrain.models.common import (IGNORE_INDEX, Vocab, build_model, linear_cross_entropy_sum, logits_and_labels,
                              token_loss_sum)
 
 # fp32's epsilon is 1.2e-7; a sum of n terms computed in another order may differ by up to about

@@ -3,8 +3,8 @@ import math
 import pytest
 
 from hvdtrain.config import TrainConfig
-from hvdtrain.distributed import lr_scale
-from hvdtrain.lr_schedule import lr_multiplier
+from hvdtrain.parallel.distributed import lr_scale
+from hvdtrain.optim.lr_schedule import lr_multiplier
 
 
 def test_warmup_then_cosine_to_the_floor():

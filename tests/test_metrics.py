@@ -8,8 +8,8 @@ import pytest
 
 from helpers import WORKERS, assert_same_losses, horovodrun, step_losses, train_workers
 from hvdtrain.errors import UserError
-from hvdtrain.metrics import FILE_NAME, PHASES, read_metrics, read_records, summarize_ranks
-from hvdtrain.run_log import RunLog, keep_records_up_to
+from hvdtrain.observe.metrics import FILE_NAME, PHASES, read_metrics, read_records, summarize_ranks
+from hvdtrain.observe.run_log import RunLog, keep_records_up_to
 
 
 def per_rank_times(busy: list[float]) -> np.ndarray:

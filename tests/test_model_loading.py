@@ -16,8 +16,8 @@ from helpers import BIN, OFFLINE
 from hvdtrain.config import ModelConfig
 from hvdtrain.data.tokenizer import _pretrained, train_tokenizer
 from hvdtrain.errors import UserError
-from hvdtrain.export import load_checkpoint_model
-from hvdtrain.models import load_pretrained
+from hvdtrain.checkpointing.export import load_checkpoint_model
+from hvdtrain.models.common import load_pretrained
 
 TEXTS = [["the quick brown fox jumps over the lazy dog", "a loop runs the statement again and again"] * 20]
 CUSTOM_CODE = "import pathlib; pathlib.Path({marker!r}).touch()\n"

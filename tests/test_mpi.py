@@ -8,7 +8,7 @@ import pytest
 
 from helpers import (WORKERS, assert_same_losses, assert_same_params, hvdtrain, load_params, mpirun, run_cmd,
                      step_losses, train_workers)
-from hvdtrain import checkpoint
+from hvdtrain.checkpointing import checkpoint
 
 pytestmark = [pytest.mark.workers,
               pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed (mpirun)")]

@@ -1,4 +1,4 @@
-"""Pipeline stages with Horovod data parallelism (hvdtrain/pipeline.py).
+"""Pipeline stages with Horovod data parallelism (hvdtrain/parallel/pipeline.py).
 
 The worker tests train a tiny GPT-2 and BERT for a few AdamW steps on fixed synthetic batches
 (tests/workers/pipeline_step.py) split into 2 pipeline stages, and compare with the unsplit
@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import RTOL, WORKERS, horovodrun, run_cmd
-from hvdtrain import pipeline
+from hvdtrain.parallel import pipeline
 from hvdtrain.config import ModelConfig
 from hvdtrain.errors import UserError
-from hvdtrain.models import Vocab, build_model, logits_and_labels
+from hvdtrain.models.common import Vocab, build_model, logits_and_labels
 
 WORKER = WORKERS / "pipeline_step.py"
 # p=2 x dp=1 cases: ARCH-SCHEDULE-REDUCE (see the worker)

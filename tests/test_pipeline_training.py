@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import (assert_same_losses, hvdtrain, inject, load_params, read_metrics, step_losses, train_workers)
-from hvdtrain import checkpoint
+from hvdtrain.checkpointing import checkpoint
 
 pytestmark = pytest.mark.workers
 

@@ -1,4 +1,4 @@
-"""hvdtrain.plan: memory, ring-allreduce and batch arithmetic checked against numbers worked
+"""hvdtrain.tools.plan: memory, ring-allreduce and batch arithmetic checked against numbers worked
 out by hand in the comments, the metrics.jsonl reader, and the `plan` subcommand."""
 import argparse
 import json
@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from hvdtrain import plan as planmod
+from hvdtrain.tools import plan as planmod
 from hvdtrain.config import config_from_dict
 from hvdtrain.errors import UserError
-from hvdtrain.plan import (activation_bytes, exposed_comm_seconds, in_flight, layer_activation_bytes, logits_bytes,
+from hvdtrain.tools.plan import (activation_bytes, exposed_comm_seconds, in_flight, layer_activation_bytes, logits_bytes,
                            memory_bytes, pipeline_plan, plan, read_step_time, ring_allreduce_seconds, stage_memory,
                            with_stages)
 
@@ -524,13 +524,13 @@ def test_cli_pp(tmp_path, capsys):
 
 @pytest.mark.parametrize("arch", ["gpt2", "bert"])
 def test_stage_params_match_the_real_split(arch):
-    """flops.stage_params against the parameters of hvdtrain.pipeline's real stages, for 2
+    """flops.stage_params against the parameters of hvdtrain.parallel.pipeline's real stages, for 2
     stages and for 2 ranks of 2 interleaved stages each."""
     pytest.importorskip("torch")
-    from hvdtrain import pipeline
+    from hvdtrain.parallel import pipeline
     from hvdtrain.config import ModelConfig
-    from hvdtrain.flops import stage_params
-    from hvdtrain.models import Vocab, build_model
+    from hvdtrain.models.flops import stage_params
+    from hvdtrain.models.common import Vocab, build_model
     import torch
 
     model_cfg = ModelConfig(arch=arch, n_layer=5, n_head=2, d_model=32)

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from hvdtrain.config import load_config, resolve_batch
-from hvdtrain.plan import GIB, plan
+from hvdtrain.tools.plan import GIB, plan
 
 RECIPES = sorted((Path(__file__).resolve().parent.parent / "recipes").glob("*.yaml"))
 

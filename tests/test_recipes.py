@@ -64,7 +64,7 @@ def test_tiny_pipeline_recipe_trains_in_two_stages(tmp_path):
     assert sorted(evals) == [0, 20, 40]
     print(f"gpt-tiny-pipeline: eval loss {evals[0]:.3f} -> {evals[40]:.3f}")
     assert evals[40] < evals[0] - 1.0, evals
-    from hvdtrain.checkpoint import list_checkpoints
+    from hvdtrain.checkpointing.checkpoint import list_checkpoints
     newest = list_checkpoints(out)[-1]
     parts = {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}  # one per stage
     assert parts <= {p.name for p in newest.iterdir()}

@@ -3,7 +3,7 @@ profiled steps and the plots."""
 import pytest
 
 from helpers import hvdtrain, png_size, read_metrics, train_workers
-from hvdtrain import report
+from hvdtrain.tools import report
 
 pytestmark = pytest.mark.workers
 

@@ -6,7 +6,7 @@ import pytest
 
 from helpers import (WORKERS, assert_same_losses, assert_same_params, horovodrun, load_params, step_losses,
                      train_workers)
-from hvdtrain import checkpoint
+from hvdtrain.checkpointing import checkpoint
 
 pytestmark = pytest.mark.workers
 
@@ -205,7 +205,7 @@ def test_no_intact_checkpoint_is_refused_naming_what_was_set_aside(tmp_path, tin
     the same command says so again (the checkpoints stay set aside)."""
     import os
 
-    from hvdtrain.metrics import FILE_NAME
+    from hvdtrain.observe.metrics import FILE_NAME
     from helpers import hvdtrain
     config = tiny_config(ELASTIC_READY)
     out = tmp_path / "run"

@@ -11,7 +11,7 @@ import pytest
 
 from helpers import (BIN, WORKERS, assert_same_losses, assert_same_params, horovodrun, hvdtrain, load_params,
                      read_metrics, start_cmd, step_losses, train_workers)
-from hvdtrain import checkpoint
+from hvdtrain.checkpointing import checkpoint
 
 pytestmark = pytest.mark.workers
 STEPS = 8
@@ -96,7 +96,7 @@ def test_a_stuck_worker_ends_the_job_with_one_line_saying_where(tmp_path, tiny_c
     assert time.monotonic() - start < 3 * STALL_TIMEOUT + 40
     assert proc.returncode == 4, proc.stderr[-3000:]
     assert proc.stderr.startswith(f"hvdtrain: error: worker 1 stalled: no step finished in {3 * STALL_TIMEOUT} s after "
-                                  f"step 0 (horovod.stall_timeout_s={STALL_TIMEOUT}); in run_steps (hvdtrain/train.py:")
+                                  f"step 0 (horovod.stall_timeout_s={STALL_TIMEOUT}); in run_steps (hvdtrain/training/train.py:")
     assert proc.stderr.count("\n") == 1, proc.stderr
 
 

@@ -13,7 +13,7 @@ from hvdtrain.data.bundle import TokenBlocks
 from hvdtrain.data.randomness import permute
 from hvdtrain.data.token_files import TokenStream
 from hvdtrain.errors import UserError
-from hvdtrain.sampler import STAND_IN, EvalSampler, StreamSampler
+from hvdtrain.data.sampler import STAND_IN, EvalSampler, StreamSampler
 
 
 def rank_batches(n, micro, accum, world, seed=0, steps=10, start=0):
@@ -169,7 +169,7 @@ def test_uneven_shares_cover_the_global_batch_once_in_the_same_number_of_micro_b
 def test_a_stand_in_sample_predicts_nothing():
     """The key of an empty micro batch's place: block 0, no targets, no masks (GPT and BERT)."""
     from hvdtrain.data.collate import CausalLMCollator, MaskedLMCollator
-    from hvdtrain.models import IGNORE_INDEX, Vocab
+    from hvdtrain.models.common import IGNORE_INDEX, Vocab
     blocks = stream_blocks(100, 10)
     samples = [blocks[(5, 0, 3)], blocks[STAND_IN]]
     assert samples[1]["position"] is None and samples[1]["input_ids"].tolist() == list(range(10))

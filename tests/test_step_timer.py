@@ -5,8 +5,8 @@ import time
 import pytest
 import torch
 
-from hvdtrain.metrics import PHASES
-from hvdtrain.step_timer import StepTimer
+from hvdtrain.observe.metrics import PHASES
+from hvdtrain.observe.step_timer import StepTimer
 
 
 def run_step(timer, sleeps: dict):

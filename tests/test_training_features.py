@@ -37,7 +37,7 @@ def test_zero_grad_sets_gradients_to_none():
     import horovod.torch as hvd
 
     from hvdtrain.config import HorovodConfig
-    from hvdtrain.distributed import wrap_optimizer, zero_grad
+    from hvdtrain.parallel.distributed import wrap_optimizer, zero_grad
 
     hvd.init()
     model = torch.nn.Linear(3, 2)

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from helpers import BIN, OFFLINE, REPO, SHARED_CORES
-from hvdtrain import checkpoint
+from hvdtrain.checkpointing import checkpoint
 
 ENTRYPOINT = REPO / "docker" / "entrypoint.sh"
 

@@ -18,10 +18,10 @@ from hvdtrain.data import preparation
 from hvdtrain.data.collate import CausalLMCollator, MaskedLMCollator
 from hvdtrain.data.randomness import permute
 from hvdtrain.data.token_files import TokenStream, check_split, read_index
-from hvdtrain.families import family
+from hvdtrain.models import family
 from hvdtrain.errors import UserError
-from hvdtrain.models import Vocab
-from hvdtrain.sampler import STAND_IN
+from hvdtrain.models.common import Vocab
+from hvdtrain.data.sampler import STAND_IN
 
 log = logging.getLogger(__name__)
 SYNTHETIC_SPECIALS = 5  # ids 0..4: pad, eos (GPT) / cls, sep, mask (BERT), unk

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from hvdtrain.data.randomness import uniform
-from hvdtrain.models import IGNORE_INDEX, Vocab
+from hvdtrain.models.common import IGNORE_INDEX, Vocab
 
 
 class CausalLMCollator:

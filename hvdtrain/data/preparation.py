@@ -35,7 +35,7 @@ from hvdtrain.data.token_files import (FORMAT, INDEX, check_file, read_index, re
 from hvdtrain.data.tokenizer import load_or_train_tokenizer, tokenizer_fingerprint
 from hvdtrain.data.tokenizing import TokenizingProcesses
 from hvdtrain.errors import UserError
-from hvdtrain.families import family
+from hvdtrain.models import family
 from hvdtrain.paths import check_writable_folder
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The tokenizer: trained on a sample of the corpus (`data.tokenizer: train`) or a pretrained one.
 
-A trained tokenizer follows its family's convention (hvdtrain.families: its `tokenizer` kind
+A trained tokenizer follows its family's convention (hvdtrain.models: its `tokenizer` kind
 and `special_tokens`): byte-level BPE with `<|endoftext|>` for GPT-2, lowercase WordPiece with
 [PAD] [UNK] [CLS] [SEP] [MASK] for BERT. It learns from a bounded sample (`tokenizer_sample`), so training takes the same time
 and memory for a corpus of a megabyte or a terabyte. Training is cached on disk, keyed by the
@@ -18,7 +18,7 @@ from hvdtrain.config import DataConfig
 from hvdtrain.data.cache import atomic_path, cache_key
 from hvdtrain.data.text import Corpus, one_line
 from hvdtrain.errors import UserError
-from hvdtrain.families import family
+from hvdtrain.models import family
 
 log = logging.getLogger(__name__)
 

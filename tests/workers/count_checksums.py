@@ -1,13 +1,13 @@
-"""Test worker: `hvdtrain train`, recording every file this rank checksums (hvdtrain.checkpoint's
+"""Test worker: `hvdtrain train`, recording every file this rank checksums (hvdtrain.checkpointing.checkpoint's
 checksum, which reads the whole file) in OUT_DIR/checksummed_rank{R}.txt, one path a line."""
 import sys
 from pathlib import Path
 
 import horovod.torch as hvd
 
-from hvdtrain import checkpoint
+from hvdtrain.checkpointing import checkpoint
 from hvdtrain.config import load_config
-from hvdtrain.train import train
+from hvdtrain.training.train import train
 
 cfg = load_config(sys.argv[1], sys.argv[2:])
 read = []

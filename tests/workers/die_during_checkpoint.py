@@ -5,9 +5,9 @@ import os
 import signal
 import sys
 
-from hvdtrain import checkpoint
+from hvdtrain.checkpointing import checkpoint
 from hvdtrain.config import load_config
-from hvdtrain.train import train
+from hvdtrain.training.train import train
 
 kill_step = f"step_{int(sys.argv[-1]):08d}"
 real_save_file = checkpoint.save_file

@@ -13,9 +13,9 @@ from pathlib import Path
 import horovod.torch as hvd
 from safetensors.torch import save_file
 
-from hvdtrain import train as training
+from hvdtrain.training import train as training
 from hvdtrain.config import load_config
-from hvdtrain.elastic import train_elastic
+from hvdtrain.parallel.elastic import train_elastic
 
 kill_host, _, kill_step = os.environ.get("HVDTRAIN_TEST_KILL", ":-1").rpartition(":")
 add_step, add_file, add_line = (os.environ.get("HVDTRAIN_TEST_ADD_HOST", "-1::").split(":", 2) + ["", ""])[:3]

@@ -10,8 +10,9 @@ import sys
 
 import horovod.torch as hvd
 
-from hvdtrain import cli, step_engine
-from hvdtrain import train as training
+from hvdtrain import cli
+from hvdtrain.training import step_engine
+from hvdtrain.training import train as training
 
 signal_rank, signal_step = map(int, os.environ.get("HVDTRAIN_TEST_SIGNAL", "-1:-1").split(":"))
 nan_steps = {int(s) for s in os.environ.get("HVDTRAIN_TEST_NAN_STEPS", "").split(",") if s}

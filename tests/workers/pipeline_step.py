@@ -1,4 +1,4 @@
-"""Test worker for hvdtrain/pipeline.py: a few AdamW steps of a tiny GPT-2 or BERT on fixed
+"""Test worker for hvdtrain/parallel/pipeline.py: a few AdamW steps of a tiny GPT-2 or BERT on fixed
 synthetic batches, with or without pipeline stages, under horovodrun (or alone as one worker).
 
     pipeline_step.py OUT_DIR --stages P CASE [CASE ...]
@@ -10,7 +10,7 @@ interleaved1f1b), gradients are reduced within each stage's process set by
 hvd.DistributedOptimizer's hooks during the pipeline's backward (`hooks`) or by one grouped
 allreduce after it (`after`). Both ways train on the same global batches, sum token losses,
 normalise by the step's target tokens, clip to one global norm and step: the reference written
-out here, the pipelined cases through the training loop's step engine (hvdtrain.step_engine).
+out here, the pipelined cases through the training loop's step engine (hvdtrain.training.step_engine).
 
 Each case writes OUT_DIR/CASE/: result.json from rank 0 (per-step loss and gradient norm
 before clipping, an evaluation loss at the end) and params_rank{R}.safetensors (the rank's
@@ -23,12 +23,12 @@ import horovod.torch as hvd
 import torch
 from safetensors.torch import save_file
 
-from hvdtrain import distributed, pipeline
+from hvdtrain.parallel import distributed, pipeline
 from hvdtrain.config import Config, ModelConfig, ParallelConfig
-from hvdtrain.models import IGNORE_INDEX, Vocab, build_model, logits_and_labels
-from hvdtrain.run_guards import NonFiniteGuard
-from hvdtrain.step_engine import PipelinedStep, autocast_for
-from hvdtrain.step_timer import StepTimer
+from hvdtrain.models.common import IGNORE_INDEX, Vocab, build_model, logits_and_labels
+from hvdtrain.training.run_guards import NonFiniteGuard
+from hvdtrain.training.step_engine import PipelinedStep, autocast_for
+from hvdtrain.observe.step_timer import StepTimer
 
 N_LAYER, SEQ, VOCAB, MASK_ID = 4, 16, 128, 4
 GLOBAL_BATCH, MICROBATCHES, STEPS = 8, 4, 4
@@ -102,7 +102,7 @@ def train_reference(arch: str, layout: pipeline.Layout) -> tuple[dict, torch.nn.
 
 
 def train_pipelined(case: str, layout: pipeline.Layout, groups: pipeline.Groups) -> tuple[dict, torch.nn.Module]:
-    """The training loop's own step engine (hvdtrain.step_engine.PipelinedStep), step by step."""
+    """The training loop's own step engine (hvdtrain.training.step_engine.PipelinedStep), step by step."""
     arch, schedule, reduce = case.split("-")
     per_rank = 2 if schedule == "interleaved1f1b" else 1
     layout = pipeline.Layout(layout.stages, layout.dp, layout.stage, layout.dp_rank, per_rank)

@@ -7,7 +7,7 @@ import horovod.torch as hvd
 from safetensors.torch import save_file
 
 from hvdtrain.config import load_config
-from hvdtrain.train import train
+from hvdtrain.training.train import train
 
 cfg = load_config(sys.argv[1], sys.argv[2:])
 model = train(cfg)

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import torch
 
-import hvdtrain.train as train_module
+import hvdtrain.training.train as train_module
 from hvdtrain.config import load_config
 from hvdtrain.data import build_data
 from todays_packing import split_documents, todays_blocks

@@ -1,0 +1,2 @@
+"""Checkpoint files (safetensors + JSON, manifest, checksums) and the export to Hugging Face
+folders."""

@@ -1,0 +1,36 @@
+"""The launcher's guard: when `hvdtrain launch` dies, even by SIGKILL, its job stops too.
+
+`hvdtrain launch` starts horovodrun in a process group of its own and this small process beside
+it, armed with Linux's parent-death signal: when the launcher dies, the guard gets SIGTERM and
+passes it to horovodrun's group (horovodrun, and under --mpi the shell and mpirun it starts).
+They stop the workers as on a preemption, so none goes on training into the run folder beside a
+relaunched job. A launcher that ends normally kills its guard first.
+
+    python -m hvdtrain.launching.launcher_guard GROUP LAUNCHER_PID
+"""
+import ctypes
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
+
+
+def main(group: int, launcher: int):
+    def stop(*_):
+        try:
+            os.killpg(group, signal.SIGTERM)
+        except ProcessLookupError:
+            pass  # the job has ended already
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != launcher:  # the launcher died before the signal was armed
+        stop()
+    while True:
+        signal.pause()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))

@@ -1,0 +1,100 @@
+"""The model families hvdtrain trains, one folder each, and the registry that names them.
+
+A family folder holds everything that differs between, say, GPT-2 and BERT:
+  * `<family>/__init__.py` (no torch import, so `hvdtrain plan` and config checks start fast):
+    a `Family` with the training objective, the tokenizer it trains, and its parameter counts
+    for FLOPs, MFU and the planner;
+  * `<family>/modeling.py` (torch): building the `transformers` model, its repeated blocks, the
+    inputs of its output head, and the parts a pipeline stage is cut from.
+
+Adding a family means adding a folder and one line to FAMILIES. Code elsewhere asks
+`family(cfg.model.arch)` (or `family_of_model_type(config.model_type)` for a model that exists)
+instead of testing names.
+"""
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Callable, Optional
+
+# model.arch -> the package of that family
+FAMILIES = {
+    "gpt2": "hvdtrain.models.gpt2",
+    "bert": "hvdtrain.models.bert",
+}
+NAMES = tuple(FAMILIES)
+
+
+def transformer_layer(d: int, f: int) -> int:
+    """The parameters of a GPT-2 / BERT layer: Q, K, V and output projections with biases
+    (4d^2 + 4d), two MLP linears with biases (2·d·f + f + d), two LayerNorms (4d)."""
+    return (4 * d * d + 4 * d) + (2 * d * f + f + d) + 2 * (2 * d)
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """A family's parameters by part, for a model of width d, MLP width f, vocabulary v and
+    max_position positions, as `sum(p.numel() for p in model.parameters())` counts them."""
+    layer: int           # one transformer layer
+    embeddings: int      # everything before the first layer (tables and their norms)
+    lookups: int         # the tables among `embeddings` (no matmul: they do not count as FLOPs)
+    head: int            # the head after the last layer, without the output matrix (v x d)
+    untied_output: int   # what an output matrix not tied to the token embedding adds
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str                   # the model.arch value
+    causal: bool                # causal LM (next token); else masked LM
+    model_types: tuple          # transformers `config.model_type` values this family loads
+    auto_class: str             # the transformers Auto class of a pretrained model
+    special_tokens: dict        # a trained tokenizer's special tokens (transformers names)
+    tokenizer: str              # the kind of tokenizer trained for it: "byte-level-bpe" or "wordpiece"
+    # parameter_counts(d_model, d_ff, vocab_size, max_position)
+    parameter_counts: Callable[[int, int, int, int], ParameterCounts]
+    # (n_layer, d_model, d_ff, vocab_size, max_position, tied_embeddings) of a transformers config
+    shape_of: Callable[[object], dict]
+    tensors_per_layer: int      # parameter tensors per layer: the allreduce count with tensor fusion off
+    other_tensors: int          # parameter tensors outside the layers (embeddings, head)
+
+    @property
+    def objective(self) -> str:
+        return "causal" if self.causal else "masked"
+
+    def modeling(self) -> ModuleType:
+        """The family's torch module (`<family>/modeling.py`)."""
+        return importlib.import_module(FAMILIES[self.name] + ".modeling")
+
+
+def family(arch: str) -> Family:
+    """The family `model.arch` names (the config has checked it is one of NAMES)."""
+    return importlib.import_module(FAMILIES[arch]).FAMILY
+
+
+def family_of_model_type(model_type: str) -> Optional[Family]:
+    """The family that loads a transformers model of `model_type`; None for another one."""
+    for arch in FAMILIES:
+        if model_type in family(arch).model_types:
+            return family(arch)
+    return None
+
+
+def family_of(model) -> Family:
+    """The family of a built model (a transformers model or a pipeline stage of one)."""
+    found = family_of_model_type(model.config.model_type)
+    if found is None:
+        raise ValueError(f"no hvdtrain family for model type {model.config.model_type!r}")
+    return found
+
+
+@dataclass(frozen=True)
+class StageParts:
+    """How a pipeline stage (hvdtrain.parallel.pipeline.StageModule) is cut from a family's model: the
+    module paths it keeps or drops and the steps around the layers. `embed(stage, input_ids)`,
+    `final_norm(stage, hidden)` and `head_logits(stage, hidden, labels)` get the stage, which
+    holds the model's own top-level modules."""
+    layers: str               # path of the layer ModuleList
+    first_only: tuple         # modules only the first stage keeps
+    last_only: tuple          # modules only the last stage keeps
+    embed: Callable           # input_ids -> hidden states before the first layer
+    final_norm: Callable      # hidden states after the last layer -> the head's inputs
+    head_logits: Callable     # -> flat (positions, vocab) logits and their labels

@@ -1,0 +1,264 @@
+"""The models hvdtrain trains, built with Hugging Face transformers, and the training loss.
+
+A model of the family `model.arch` names (hvdtrain.models: GPT-2, BERT) is built from the
+config for training from scratch, or loaded from `model.pretrained` to continue pretraining.
+Attention goes through PyTorch's scaled_dot_product_attention. The training loop sums the token losses itself
+(`token_loss_sum`), so it can normalise by the number of targets in the whole optimizer step.
+"""
+import os
+from dataclasses import dataclass
+
+import torch
+
+from hvdtrain.config import ModelConfig
+from hvdtrain.errors import UserError
+from hvdtrain.models import family, family_of
+
+IGNORE_INDEX = -100  # label of positions that are not predicted (the convention of transformers)
+# The embedding / output matrix gets a multiple of 64 rows (nanoGPT's 50257 -> 50304): tensor
+# cores are much faster on such shapes. Rows past the tokenizer's size are never targets.
+VOCAB_MULTIPLE = 64
+
+
+@dataclass
+class Vocab:
+    """What a model needs to know of the tokenizer."""
+    size: int
+    pad_id: int
+    bos_id: int | None = None
+    eos_id: int | None = None
+    cls_id: int | None = None
+    sep_id: int | None = None
+    mask_id: int | None = None
+
+    @property
+    def special_ids(self) -> list[int]:
+        return sorted({i for i in (self.pad_id, self.bos_id, self.eos_id, self.cls_id, self.sep_id, self.mask_id)
+                       if i is not None})
+
+
+def build_model(cfg: ModelConfig, vocab: Vocab, seq_len: int) -> torch.nn.Module:
+    """A new model of `cfg`'s family and shape (or `model.pretrained`), on the CPU."""
+    if cfg.pretrained:
+        return load_pretrained(cfg, seq_len)
+    rows = -(-vocab.size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    return family(cfg.arch).modeling().build(cfg, vocab, rows, positions=cfg.max_position or seq_len,
+                                             d_ff=cfg.d_ff or 4 * cfg.d_model)
+
+
+def load_pretrained(cfg: ModelConfig, seq_len: int) -> torch.nn.Module:
+    import transformers
+
+    auto = getattr(transformers, family(cfg.arch).auto_class)
+    try:
+        # Weights from safetensors only: a pickled pytorch_model.bin can run code when loaded;
+        # and no Python code from the folder or the hub (a config's auto_map).
+        model = auto.from_pretrained(cfg.pretrained, attn_implementation="sdpa", use_safetensors=True,
+                                     trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"model.pretrained '{cfg.pretrained}': could not load ({first})") from None
+    if model.config.model_type not in family(cfg.arch).model_types:
+        raise UserError(f"model.pretrained '{cfg.pretrained}' is a {model.config.model_type} model, not of the "
+                        f"family model.arch={cfg.arch}; set model.arch to the folder's family")
+    positions = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    if positions is not None and positions < seq_len:
+        raise UserError(f"model.pretrained '{cfg.pretrained}' has {positions} positions, fewer than "
+                        f"data.seq_len={seq_len} (train the first phase with model.max_position={seq_len})")
+    return model
+
+
+def transformer_blocks(model) -> torch.nn.ModuleList:
+    """The repeated layers: the unit for torch.compile and activation checkpointing."""
+    return family_of(model).modeling().blocks(model)
+
+
+def model_body(model) -> torch.nn.Module:
+    """Everything before the output head (GPT2Model, BertModel)."""
+    return family_of(model).modeling().body(model)
+
+
+# ---------------------------------------------------------------- switches for `bench compare`
+# Speed choices not yet measured on a GPU, as environment switches that `hvdtrain bench compare
+# --vary env:NAME=a,b` compares in one process. The first value of each is what hvdtrain does
+# today. A switch that a GPU measurement shows to help becomes the default (or a config key);
+# one that does not is removed.
+SWITCHES = {
+    # token_loss_sum: chunked linear + cross-entropy in eager ops; the same with each chunk's
+    # softmax/gradient arithmetic compiled into fused kernels; or whole-batch logits (the former
+    # path, kept to measure against).
+    "HVDTRAIN_LOSS": ("chunked", "compiled", "logits"),
+    # With model.compile: compile each transformer block (Horovod's hooks fire during backward,
+    # so the allreduce overlaps it), or the whole body (one graph; gradients reach the hooks only
+    # when its backward ends). One GPU has no allreduce: there the difference is compute alone.
+    "HVDTRAIN_COMPILE_SCOPE": ("blocks", "body"),
+    # torch.compile's mode: reduce-overhead adds CUDA graphs (fewer kernel launches).
+    "HVDTRAIN_COMPILE_MODE": ("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
+}
+
+
+def switch(name: str) -> str:
+    choices = SWITCHES[name]
+    value = os.environ.get(name) or choices[0]
+    if value not in choices:
+        raise UserError(f"environment variable {name}={value!r}: expected one of {', '.join(choices)}")
+    return value
+
+
+def tied_names(model) -> list[list[str]]:
+    """Groups of names that are one parameter in the model (GPT-2's wte and lm_head, BERT's word
+    embeddings and decoder), in the model's order."""
+    by_param = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_param.setdefault(p, []).append(name)
+    return [names for names in by_param.values() if len(names) > 1]
+
+
+def apply_speedups(model, cfg: ModelConfig):
+    """Optional speed-ups of the built model: activation checkpointing, compiled blocks."""
+    if cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.compile:
+        mode = switch("HVDTRAIN_COMPILE_MODE")
+        options = {} if mode == "default" else {"mode": mode}
+        if switch("HVDTRAIN_COMPILE_SCOPE") == "body":
+            model_body(model).compile(**options)
+            return
+        # Per block, not the whole model: a whole-model compiled backward hands gradients to
+        # Horovod's hooks only at its end, which serialises allreduce after backward.
+        for block in transformer_blocks(model):
+            block.compile(**options)
+
+
+# ---------------------------------------------------------------- the loss
+
+def head_inputs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(features, targets): the (positions, d_model) inputs of the vocabulary projection
+    `model.get_output_embeddings()` and their labels.
+
+    Labels are already aligned with the model's outputs (the collator shifts causal LM
+    labels), so every family shares the loss. Which positions go through the head is the
+    family's choice (a masked LM projects only the masked ones)."""
+    return family_of(model).modeling().head_inputs(model, batch)
+
+
+def logits_and_labels(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat (positions, vocab) logits and their labels (see head_inputs): for evaluation, which
+    also wants the argmax. Training uses token_loss_sum, which never holds all the logits."""
+    features, labels = head_inputs(model, batch)
+    return model.get_output_embeddings()(features), labels
+
+
+# Logits computed at a time by token_loss_sum: 2^26 (256 MB in fp32), e.g. 1334 positions of
+# GPT-2's 50,304-row vocabulary, where the whole batch of 16 x 1024 would take 3.3 GB.
+LOSS_CHUNK_ELEMENTS = 2 ** 26
+
+
+def token_loss_sum(model, batch: dict, chunk_elements: int = LOSS_CHUNK_ELEMENTS) -> torch.Tensor:
+    """Sum of the token cross-entropies over the labelled positions of `batch` (fp32 scalar).
+
+    The same numbers, to fp32 rounding, as cross_entropy(logits.float(), labels, reduction="sum")
+    on the logits of logits_and_labels, without holding those logits: see LinearCrossEntropySum."""
+    if switch("HVDTRAIN_LOSS") == "logits":
+        logits, labels = logits_and_labels(model, batch)
+        return torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX,
+                                                 reduction="sum")
+    features, labels = head_inputs(model, batch)
+    head = model.get_output_embeddings()
+    return linear_cross_entropy_sum(features, head.weight, head.bias, labels, chunk_elements)
+
+
+def linear_cross_entropy_sum(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             targets: torch.Tensor, chunk_elements: int = LOSS_CHUNK_ELEMENTS) -> torch.Tensor:
+    """sum_i cross_entropy(x_i @ weight.T + bias, targets_i) over targets_i != IGNORE_INDEX,
+    in chunks of positions; under autocast the projection runs in its dtype, as nn.Linear would."""
+    device_type = x.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+    rows = max(1, chunk_elements // weight.shape[0])
+    chunk = _compiled_chunk() if switch("HVDTRAIN_LOSS") == "compiled" else _softmax_cross_entropy_chunk
+    inputs = (x, weight) if bias is None else (x, weight, bias)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        return LinearCrossEntropySum.apply(x, weight, bias, targets, rows, dtype, chunk)
+    with torch.no_grad():
+        return _chunked_forward(x, weight, bias, targets, rows, dtype, chunk, grads=False)[0]
+
+
+class LinearCrossEntropySum(torch.autograd.Function):
+    """Fused linear + cross-entropy, summed: the output projection and the loss of a chunk of
+    positions at a time, with the gradients computed in the forward pass (the method of
+    Liger-Kernel's fused linear cross-entropy, in plain PyTorch ops so it runs on CPUs too).
+
+    Per chunk: logits = x W^T (+ b) in the compute dtype, log-softmax in fp32, the chunk's loss,
+    then the logits' gradient softmax - onehot (zero on ignored positions) and from it the
+    chunk's gradients of x, W and b. Only one chunk's logits exist at a time; what is kept for
+    backward is grad x (positions x d_model) and grad W, b (fp32, vocabulary x d_model): about
+    200 MB for GPT-2 124M instead of 3.3 GB of fp32 logits (plus their bf16 copy and both
+    gradients). No matmul is recomputed: backward only multiplies by the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, targets, rows, dtype, chunk):
+        loss, grad_x, grad_w, grad_b = _chunked_forward(x, weight, bias, targets, rows, dtype, chunk, grads=True)
+        ctx.save_for_backward(grad_x, grad_w, grad_b)
+        ctx.has_bias = bias is not None
+        ctx.weight_dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_w, grad_b = ctx.saved_tensors
+        w_dtype, b_dtype = ctx.weight_dtypes
+        return (grad_x * grad_loss.to(grad_x.dtype), (grad_w * grad_loss).to(w_dtype),
+                (grad_b * grad_loss).to(b_dtype) if ctx.has_bias else None, None, None, None, None)
+
+
+def _softmax_cross_entropy_chunk(logits: torch.Tensor, targets: torch.Tensor, grads: bool):
+    """(log-probability of each target, gradient of the logits or None) of one chunk. The
+    gradient is in fp32, softmax - onehot, left unmasked on ignored rows (the caller zeroes
+    their contributions); their log-probability is that of token 0, which the sum skips."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    index = targets.clamp(min=0).unsqueeze(1)
+    picked = log_probs.gather(1, index).squeeze(1)
+    if not grads:
+        return picked, None
+    grad = log_probs.exp_()
+    grad.scatter_add_(1, index, -(targets != IGNORE_INDEX).unsqueeze(1).to(grad.dtype))
+    return picked, grad
+
+
+_COMPILED_CHUNK = None
+
+
+def _compiled_chunk():
+    global _COMPILED_CHUNK
+    if _COMPILED_CHUNK is None:
+        _COMPILED_CHUNK = torch.compile(_softmax_cross_entropy_chunk, dynamic=True)
+    return _COMPILED_CHUNK
+
+
+def _chunked_forward(x, weight, bias, targets, rows, dtype, chunk, grads: bool):
+    with torch.autocast(x.device.type, enabled=False):
+        xc, wc = x.to(dtype), weight.to(dtype)
+        bc = bias.to(dtype) if bias is not None else None
+        picked = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        grad_x = torch.empty_like(x) if grads else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if grads else None
+        grad_b = torch.zeros_like(bias, dtype=torch.float32) if grads and bias is not None else None
+        for start in range(0, x.shape[0], rows):
+            xs, ts = xc[start:start + rows], targets[start:start + rows]
+            picked[start:start + rows], grad = chunk(torch.nn.functional.linear(xs, wc, bc), ts, grads)
+            if not grads:
+                continue
+            # Ignored positions get no gradient: their rows of x are zeroed for grad W and
+            # their rows of grad x afterwards (d_model wide), not the vocabulary-wide rows.
+            keep = (ts != IGNORE_INDEX).unsqueeze(1).to(dtype)
+            grad = grad.to(dtype)
+            grad_x[start:start + rows] = (grad @ wc) * keep
+            grad_w.add_(grad.t() @ (xs * keep))
+            if grad_b is not None:
+                grad_b.add_((keep.t() @ grad).squeeze(0))
+        # The sum as cross_entropy(..., reduction="sum") adds up the whole batch's -log p(target)
+        # with the same kernel; the values equal the whole batch's to fp32 rounding only (a chunk's
+        # matmul may round differently from the whole batch's, depending on the CPU's kernels).
+        column = torch.where(targets != IGNORE_INDEX, 0, IGNORE_INDEX).to(targets.dtype)
+        loss = torch.nn.functional.nll_loss(picked.unsqueeze(1), column, ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss, grad_x, grad_w, grad_b

@@ -1,0 +1,54 @@
+"""GPT-2 in transformers (GPT2LMHeadModel): building it, its blocks, its head, its stages."""
+import torch
+
+from hvdtrain.config import ModelConfig
+from hvdtrain.models import StageParts
+
+
+def build(cfg: ModelConfig, vocab, rows: int, positions: int, d_ff: int) -> torch.nn.Module:
+    """A new GPT2LMHeadModel of `cfg`'s shape, with `rows` embedding rows."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=rows, n_positions=positions, n_embd=cfg.d_model, n_layer=cfg.n_layer,
+                        n_head=cfg.n_head, n_inner=d_ff, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
+                        attn_pdrop=cfg.dropout, bos_token_id=vocab.bos_id, eos_token_id=vocab.eos_id,
+                        # GPT-2's tanh GELU as one kernel: same values as "gelu_new", which
+                        # runs as several small ops and keeps their outputs for backward
+                        activation_function="gelu_pytorch_tanh")
+    config._attn_implementation = "sdpa"
+    return GPT2LMHeadModel(config)
+
+
+def blocks(model) -> torch.nn.ModuleList:
+    return model.transformer.h
+
+
+def body(model) -> torch.nn.Module:
+    return model.transformer
+
+
+def head_inputs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every position goes through the head; the collator has already shifted the labels."""
+    hidden = model.transformer(input_ids=batch["input_ids"]).last_hidden_state
+    return hidden.flatten(0, 1), batch["labels"].flatten()
+
+
+def _embed(stage, input_ids):
+    # GPT2Model's own steps. No attention mask: the blocks then attend causally, as GPT2Model
+    # does for unpadded blocks.
+    t = stage.transformer
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    return t.drop(t.wte(input_ids) + t.wpe(positions))
+
+
+def _final_norm(stage, hidden):
+    return stage.transformer.ln_f(hidden)
+
+
+def _head_logits(stage, hidden, labels):
+    return stage.lm_head(hidden).flatten(0, 1), labels.flatten()
+
+
+STAGE = StageParts(layers="transformer.h", first_only=("transformer.wte", "transformer.wpe"),
+                   last_only=("transformer.ln_f", "lm_head"), embed=_embed, final_norm=_final_norm,
+                   head_logits=_head_logits)

@@ -1,0 +1,1 @@
+"""Optimizers (AdamW, LAMB) and the learning-rate schedule."""

@@ -1,0 +1,286 @@
+"""The Horovod layer: every distributed step of a run, explicit and in one place.
+
+Mirrors Horovod's own PyTorch examples: init, pin the GPU, seed, scale the learning rate,
+broadcast the starting state from rank 0, wrap the optimizer so gradients are averaged
+with allreduce while backward runs, and average metrics across ranks.
+"""
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hvdtrain.training import rng
+from hvdtrain.config import Config, HorovodConfig
+from hvdtrain.errors import UserError
+
+try:  # A missing Horovod is reported by `init` as a user error (run `make setup`), not an ImportError.
+    import horovod.torch as hvd
+except ImportError:  # pragma: no cover - reported by `hvdtrain doctor` and `init`
+    hvd = None
+
+
+@dataclass
+class World:
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def print(self, *args, **kwargs):
+        """print on rank 0 only."""
+        if self.rank == 0:
+            print(*args, **kwargs, flush=True)
+
+
+def horovod_env(cfg: Config) -> dict:
+    """Horovod's tuning knobs are environment variables read by hvd.init().
+
+    The timeline and the autotune log are files Horovod opens inside hvd.init(), before the
+    run folder may exist (it is made only once every input has been checked). So the timeline
+    starts in DYNAMIC mode and `start_timeline` opens it in the run folder later, and the
+    autotune log goes to a temporary file that `keep_autotune_log` copies into the run folder."""
+    h, env = cfg.horovod, {}
+    if h.fusion_threshold_mb is not None:
+        env["HOROVOD_FUSION_THRESHOLD"] = str(int(h.fusion_threshold_mb * 1024 * 1024))
+    if h.cycle_time_ms is not None:
+        env["HOROVOD_CYCLE_TIME"] = str(h.cycle_time_ms)
+    if h.timeline or (cfg.profile.enabled and cfg.profile.timeline):
+        env["HOROVOD_TIMELINE"] = "DYNAMIC"  # started and stopped by hvdtrain
+    if h.autotune:
+        env["HOROVOD_AUTOTUNE"] = "1"
+        env["HOROVOD_AUTOTUNE_LOG"] = os.path.join(tempfile.gettempdir(), f"hvdtrain-autotune-{os.getpid()}.csv")
+    if h.stall_timeout_s and not is_elastic_job() and "HOROVOD_GLOO_TIMEOUT_SECONDS" not in os.environ:
+        # Gloo gives up on a worker that does not answer after 30 s, with an error that does not
+        # say which: the stall watchdog (hvdtrain.training.run_guards) names it, so Gloo waits longer.
+        env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(int(h.stall_timeout_s) + 60)
+    if is_elastic_job() and "HOROVOD_CACHE_CAPACITY" not in os.environ:
+        # Horovod's response cache goes out of step between the workers that lived through a
+        # reset and one that joins: the next fused allreduce then has different sizes on two
+        # ranks and Gloo aborts the new worker ("op.preamble.length <= op.nbytes"), every time a
+        # host is added. Without the cache every tensor is negotiated through rank 0, each cycle.
+        env["HOROVOD_CACHE_CAPACITY"] = "0"
+    return env
+
+
+def init(cfg: Config) -> World:
+    """hvd.init(), pin this process to its local GPU, seed every RNG."""
+    if hvd is None:
+        raise UserError("Horovod is not installed in this environment; run `make setup` (or scripts/install.py)")
+    os.environ.update(horovod_env(cfg))
+    # Pipeline stages reduce gradients within process sets that are added after init.
+    hvd.init(**({"process_sets": "dynamic"} if cfg.parallel.pipeline_stages > 1 else {}))  # Horovod: init
+    if torch.cuda.is_available():
+        torch.cuda.set_device(hvd.local_rank())
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast use TF32
+        torch.backends.cudnn.allow_tf32 = True
+        device = torch.device("cuda", hvd.local_rank())
+    else:
+        device = torch.device("cpu")
+        if "OMP_NUM_THREADS" not in os.environ:  # share the host's cores between its workers
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
+    world = current_world(device)
+    rng.seed_everything(cfg.train.seed, world.rank)
+    return world
+
+
+def current_world(device: torch.device) -> World:
+    """This worker's rank and the world's size now (an elastic reset changes them)."""
+    return World(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), device)
+
+
+def is_elastic_job() -> bool:
+    """Started by `horovodrun --min-np/--max-np/--host-discovery-script` (hvdtrain launch --elastic)."""
+    return os.environ.get("HOROVOD_ELASTIC") == "1"
+
+
+def timeline_path(cfg: Config) -> Path | None:
+    """horovod.timeline's file for the whole run (relative paths: inside out_dir), or None."""
+    if not cfg.horovod.timeline:
+        return None
+    path = Path(cfg.horovod.timeline)
+    return path if path.is_absolute() else Path(cfg.out_dir) / path
+
+
+def start_timeline(path: Path):
+    """Every rank calls it (the timeline is global); the coordinator writes the file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    hvd.start_timeline(str(path), mark_cycles=False)  # Horovod: timeline, on every rank
+
+
+def stop_timeline():
+    """Waits for no other rank (the coordinator closes the file), so clean-up after a failure
+    may call it."""
+    hvd.stop_timeline()
+
+
+def keep_autotune_log(cfg: Config, world: World):
+    """Copy Horovod's autotune log (written by rank 0 to a temporary file) into the run folder."""
+    log = os.environ.get("HOROVOD_AUTOTUNE_LOG")
+    if cfg.horovod.autotune and world.is_main and log and os.path.isfile(log):
+        shutil.copyfile(log, Path(cfg.out_dir) / "horovod_autotune.csv")
+
+
+# ---------------------------------------------------------------- optimizer
+
+def lr_scale(kind: str, world_size: int) -> float:
+    """Goyal et al.: with a per-worker batch held fixed, the global batch grows with the world,
+    so the rate grows linearly (or with the square root, a gentler rule for Adam)."""
+    return {"none": 1.0, "linear": float(world_size), "sqrt": world_size ** 0.5}[kind]
+
+
+def reduce_op(cfg: HorovodConfig):
+    return {"average": hvd.Average, "sum": hvd.Sum}[cfg.op]
+
+
+def compression(cfg: HorovodConfig):
+    """horovod.compression as Horovod's Compression class."""
+    return hvd.Compression.fp16 if cfg.compression == "fp16" else hvd.Compression.none
+
+
+def wrap_optimizer(optimizer, model, cfg: HorovodConfig, backward_passes_per_step: int, process_set=None):
+    """hvd.DistributedOptimizer: allreduce starts from backward hooks as each gradient is ready.
+
+    backward_passes_per_step = gradient accumulation steps, so the allreduce fires once per
+    optimizer step, after the last micro batch, not once per micro batch. With pipeline stages
+    `process_set` holds the copies of this worker's stage, and only they reduce together."""
+    # Horovod: DistributedOptimizer, allreduce of each gradient from its backward hook
+    return hvd.DistributedOptimizer(
+        optimizer,
+        named_parameters=model.named_parameters(),
+        compression=compression(cfg),
+        op=reduce_op(cfg),
+        gradient_predivide_factor=cfg.gradient_predivide_factor,
+        backward_passes_per_step=backward_passes_per_step,
+        **({"process_set": process_set} if process_set is not None else {}),
+    )
+
+
+class StepTotals:
+    """What every rank tells every other once per step, in one small allreduce that runs in the
+    background while the model computes (no extra synchronisation point before the forward
+    pass): its target tokens, for TokenNormalizer, and its stop vote: a rank asked to stop
+    (preemption, hvdtrain.training.run_guards) tells every other, so all stop at the same step.
+
+    With pipeline stages every stage of a pipeline reads the same samples, so the count summed
+    over all workers holds each target `stages` times."""
+
+    def __init__(self, stages: int = 1):
+        self.stages = stages
+
+    def start(self, local_targets: int, stop_vote: bool = False):
+        # Horovod: allreduce (sum) in the background, waited for in `wait`
+        self.handle = allreduce_sum_async([local_targets, float(stop_vote)], name="targets")
+
+    def wait(self) -> tuple[float, bool]:
+        """The step's target tokens on all ranks, and whether any rank voted to stop."""
+        total_targets, stop_votes = wait_sum(self.handle)  # Horovod: wait for the allreduce
+        return max(1.0, total_targets / self.stages), stop_votes > 0
+
+
+class TokenNormalizer:
+    """Makes the reduced gradient the gradient of (sum of token losses) / (target tokens of the
+    whole optimizer step on all ranks), so np=2 equals np=1 and accumulation equals a bigger
+    micro batch even when ranks hold different numbers of targets (masked LM).
+
+    The global token count (StepTotals) is allreduced while the model computes: backward runs
+    on the loss times a constant `loss_scale` that is the same on every rank, and once the
+    allreduce of gradients and of the count are both done, `finish` multiplies the gradients by
+    the exact correction. With pipeline stages, `reduced_over` is the number of copies of a
+    stage (their gradients are averaged)."""
+
+    def __init__(self, op: str, reduced_over: int, expected_tokens: int):
+        self.op, self.reduced_over = op, reduced_over
+        self.loss_scale = 1.0 / expected_tokens
+
+    def finish(self, model, global_targets: float):
+        """Correct the reduced gradients for the step's `global_targets` (StepTotals.wait)."""
+        # Average divided the sum over the copies by their number; Sum did not.
+        factor = (self.reduced_over if self.op == "average" else 1) / (self.loss_scale * global_targets)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        torch._foreach_mul_(grads, factor)
+
+
+def zero_grad(optimizer):
+    """optimizer.zero_grad(set_to_none=True) for Horovod's wrapper, whose zero_grad() takes no
+    arguments. Same guard as Horovod: never between backward and synchronize."""
+    if getattr(optimizer, "_handles", None):
+        raise RuntimeError("zero_grad() called after backward() but before synchronize()/step()")
+    torch.optim.Optimizer.zero_grad(optimizer, set_to_none=True)
+
+
+# ---------------------------------------------------------------- broadcast and reductions
+
+def broadcast_state(model, optimizer, resumed: bool):
+    """Rank 0's parameters and optimizer state win, at start and after every resume.
+
+    A fresh optimizer has no state on any rank yet: Horovod's broadcast_optimizer_state would
+    then take a dummy step with zero gradients to create it, which applies weight decay and
+    advances Adam's step count. So the optimizer state is broadcast only when rank 0 has one."""
+    if resumed:
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)  # Horovod: broadcast from rank 0
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # Horovod: broadcast from rank 0
+
+
+def broadcast_object(obj, name: str):
+    return hvd.broadcast_object(obj, root_rank=0, name=name)  # Horovod: broadcast from rank 0
+
+
+def allgather_object(obj, name: str) -> list:
+    return hvd.allgather_object(obj, name=name)  # Horovod: allgather
+
+
+def allreduce_sum(values: list[float], name: str) -> list[float]:
+    """Sum a few Python numbers over ranks in one float64 allreduce (on CPU: no GPU sync)."""
+    return wait_sum(allreduce_sum_async(values, name))
+
+
+def allreduce_sum_async(values: list[float], name: str):
+    t = torch.tensor(values, dtype=torch.float64)
+    if hvd.size() == 1:  # nothing to reduce; skips a Horovod cycle
+        return t
+    return hvd.allreduce_async(t, op=hvd.Sum, name=name)  # Horovod: allreduce (sum), waited for by wait_sum
+
+
+def wait_sum(handle) -> list[float]:
+    return (handle if torch.is_tensor(handle) else hvd.synchronize(handle)).tolist()  # Horovod: wait
+
+
+def allgather_floats(values: list[float], name: str) -> np.ndarray:
+    """Per-rank values side by side: shape (world_size, len(values))."""
+    t = torch.tensor([values], dtype=torch.float64)
+    return hvd.allgather(t, name=name).numpy()  # Horovod: allgather
+
+
+def barrier(name: str, failed: bool = False) -> bool:
+    """Wait until every rank has come here; returns whether any of them came `failed`."""
+    # Horovod: a one-number allreduce (sum) as the barrier, carrying the failure flags
+    return allreduce_sum([float(failed)], name=name)[0] > 0
+
+
+@contextmanager
+def leader_first(world: World, what: str):
+    """Run a block on local rank 0 first (e.g. tokenize and cache), then on the other ranks.
+
+    A failure on the leader is passed to every rank, so nobody waits forever in a barrier."""
+    name = f"leader_first.{what}"
+    if world.local_rank == 0:
+        try:
+            yield
+        except UserError:
+            barrier(name, failed=True)
+            raise
+        barrier(name)
+    else:
+        if barrier(name):
+            raise SystemExit(2)  # the leader prints the error
+        yield

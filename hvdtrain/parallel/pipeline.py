@@ -1,0 +1,415 @@
+"""Pipeline stages across workers, Horovod data parallelism across the copies of each stage.
+
+The world is `stages x dp` workers: rank = stage * dp + dp_rank. The ranks with the same
+dp_rank form one pipeline (torch.distributed.pipelining sends activations and gradients along
+it); the ranks with the same stage hold copies of that stage and reduce their gradients with
+Horovod, within the stage's process set. Nothing here is a runtime of our own: the schedules
+are torch's, the collectives are torch.distributed's (along a pipeline) and Horovod's (across
+copies). Used by a worker, in this order:
+
+    hvd.init(process_sets="dynamic")                  # process sets are added after init
+    layout = layout_for(hvd.rank(), hvd.size(), stages)
+    groups = open_groups(layout, "gloo")              # "nccl" on GPUs
+    torch.manual_seed(seed); model = build_model(...) # the whole model, the same on every rank
+    stage = split_model(model, layout, stage_bounds(n_layer, stages))
+    pipe = build_schedule(stage, layout, groups, "1f1b", microbatches, loss_scale, device)
+    optimizer = hvd.DistributedOptimizer(opt, named_parameters=stage.named_parameters(),
+                                         process_set=groups.process_set,
+                                         backward_passes_per_step=microbatches)
+    per optimizer step:
+        loss_sum = run(pipe, input_ids, labels)       # forward, loss and backward of all micro batches
+        optimizer.synchronize()                       # copies of this stage agree (Horovod)
+        allreduce_tied_grads(stage, groups)           # embedding and head copies agree
+        ... normalise gradients by the step's target tokens ...
+        clip_grad_norm_(stage, max_norm, groups)      # one norm over all stages
+        with optimizer.skip_synchronize(): optimizer.step()
+    groups.close()
+
+Parameter names stay those of the Hugging Face model (`transformer.h.3.attn.c_attn.weight`),
+so each stage can write its part of a checkpoint and any layout can read it back.
+"""
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import get_schedule_class
+
+from hvdtrain.errors import UserError
+from hvdtrain.models import family_of
+from hvdtrain.models.common import IGNORE_INDEX, tied_names
+# The torch-free arithmetic (split, schedule checks, ideal bubble) lives in pipeline_plan, for
+# `hvdtrain plan`; its names are part of this module's API too.
+from hvdtrain.parallel.pipeline_plan import (INTERLEAVED, SCHEDULES, _even_bounds, check_schedule,  # noqa: F401
+                                     ideal_bubble, stage_bounds)
+
+try:  # as in distributed.py; the layout, the split and the checks work without Horovod
+    import horovod.torch as hvd
+except ImportError:  # pragma: no cover
+    hvd = None
+
+
+# ---------------------------------------------------------------- layout
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this rank sits in the `stages x dp` grid.
+
+    With `stages_per_rank` > 1 (interleaved schedules) the model is cut into
+    stages * stages_per_rank pipeline stages and pipeline position s runs the stages
+    s, s + stages, s + 2 * stages, ... (torch's loop order)."""
+    stages: int               # p: ranks in one pipeline
+    dp: int                   # copies of each stage
+    stage: int                # this rank's position in its pipeline, 0 .. p-1
+    dp_rank: int              # which copy, 0 .. dp-1
+    stages_per_rank: int = 1
+
+    @property
+    def rank(self) -> int:
+        return self.stage * self.dp + self.dp_rank
+
+    @property
+    def is_first(self) -> bool:
+        """This rank holds the embeddings and reads input_ids."""
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        """This rank holds the head and computes the loss."""
+        return self.stage == self.stages - 1
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages the model is cut into."""
+        return self.stages * self.stages_per_rank
+
+    @property
+    def stage_ids(self) -> list[int]:
+        """The pipeline stages this rank runs, in model order."""
+        return [self.stage + k * self.stages for k in range(self.stages_per_rank)]
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        """The ranks holding copies of pipeline position `stage`: one data-parallel group."""
+        return [stage * self.dp + d for d in range(self.dp)]
+
+    def pipeline_ranks(self, dp_rank: int) -> list[int]:
+        """The ranks of pipeline `dp_rank`, first stage first."""
+        return [s * self.dp + dp_rank for s in range(self.stages)]
+
+
+def layout_for(rank: int, world_size: int, stages: int, stages_per_rank: int = 1) -> Layout:
+    if stages < 1 or world_size % stages:
+        raise UserError(f"parallel.pipeline_stages={stages} does not divide the {world_size} workers")
+    if stages_per_rank < 1:
+        raise UserError(f"parallel.stages_per_rank={stages_per_rank} must be at least 1")
+    dp = world_size // stages
+    return Layout(stages=stages, dp=dp, stage=rank // dp, dp_rank=rank % dp, stages_per_rank=stages_per_rank)
+
+
+# ---------------------------------------------------------------- process groups
+
+@dataclass
+class Groups:
+    """The communicators of one rank; every rank created all of them, in the same order."""
+    pipeline: dist.ProcessGroup       # this rank's pipeline (same dp_rank), for send/recv and the grad norm
+    tied: dist.ProcessGroup | None    # {first, last stage} of this pipeline; None on other ranks or when p = 1
+    process_set: object               # Horovod process set of this stage's copies
+    added_sets: list = field(default_factory=list)  # what open_groups added, removed by close()
+
+    def close(self):
+        """Remove the process sets and the torch.distributed group (all ranks, same order)."""
+        for process_set in self.added_sets:
+            hvd.remove_process_set(process_set)  # Horovod: remove a process set (collective)
+        dist.destroy_process_group()  # torch.distributed: destroy the groups
+
+
+def open_groups(layout: Layout, backend: str) -> Groups:
+    """Open torch.distributed inside horovodrun workers, then the groups the pipeline needs.
+
+    Needs `hvd.init(process_sets="dynamic")` (or HOROVOD_DYNAMIC_PROCESS_SETS=1 before hvd.init):
+    the data-parallel process sets are added here. No launcher flags or MASTER_* variables are
+    needed: rank 0 opens a TCP store on a port the OS picks and sends its address to the others
+    with Horovod. The store's host is MASTER_ADDR if set, else the host name horovodrun gave
+    rank 0 (HOROVOD_HOSTNAME), else this machine's name; other hosts must reach it by that name."""
+    world_size = hvd.size()
+    # init_process_group installs an excepthook that writes "[rankN]: " before every line of a
+    # traceback; horovodrun already tags each line with its rank, and hvdtrain.launching.relay must see
+    # the traceback as the worker's Python printed it to show it.
+    excepthook = sys.excepthook
+    # torch.distributed: init over a store whose address comes by Horovod broadcast
+    dist.init_process_group(backend, store=_rendezvous_store(), rank=hvd.rank(), world_size=world_size)
+    sys.excepthook = excepthook
+    # dist.new_group and hvd.add_process_set are collective: every rank makes every group, same order.
+    pipeline = tied = None
+    for d in range(layout.dp):
+        group = dist.new_group(layout.pipeline_ranks(d))  # torch.distributed: new group (collective)
+        if d == layout.dp_rank:
+            pipeline = group
+    if layout.stages > 1:
+        for d in range(layout.dp):
+            ends = layout.pipeline_ranks(d)
+            group = dist.new_group([ends[0], ends[-1]])  # torch.distributed: new group (collective)
+            if d == layout.dp_rank and (layout.is_first or layout.is_last):
+                tied = group
+    if layout.dp == world_size:  # Horovod rejects a second set equal to the world
+        return Groups(pipeline, tied, hvd.global_process_set)
+    added = [hvd.add_process_set(layout.stage_ranks(s)) for s in range(layout.stages)]  # Horovod: process sets
+    return Groups(pipeline, tied, added[layout.stage], added)
+
+
+def _rendezvous_store() -> dist.TCPStore:
+    """A TCPStore on rank 0; horovodrun's own rendezvous server lives in the launcher, not on rank 0."""
+    rank, world_size = hvd.rank(), hvd.size()
+    if rank == 0:
+        host = os.environ.get("MASTER_ADDR") or os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+        store = dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False)
+        hvd.broadcast_object((host, store.port), root_rank=0, name="pipeline.store")  # Horovod: broadcast
+        return store
+    host, port = hvd.broadcast_object(None, root_rank=0, name="pipeline.store")  # Horovod: broadcast
+    return dist.TCPStore(host, port, world_size, is_master=False)
+
+
+# ---------------------------------------------------------------- one rank's part of the model
+
+class StageModule(nn.Module):
+    """This rank's part of a Hugging Face model, under the model's own parameter names.
+
+    The module tree is the original one with the layer list replaced by a ModuleDict keyed by
+    the layer's index (`transformer.h.3...` stays `transformer.h.3...`) and the modules the
+    rank does not own removed. Use it for the optimizer, checkpoints and `.to(device)`.
+    `chunks` holds the forward of each pipeline stage the rank runs (layout.stage_ids): the
+    first stage maps input_ids to hidden states, the others hidden states to hidden states;
+    the last stage returns the final hidden states, and `logits_and_labels` applies the head.
+
+    `tied` maps names to the parameters that are one tied parameter in the whole model
+    (embedding and output matrix) but whose other half lives on another rank: the first stage
+    holds the original, the last stage a copy that starts equal; allreduce_tied_grads keeps
+    them equal. Ties within one rank stay shared parameters.
+
+    What to keep and the steps around the layers are the family's (its modeling.STAGE)."""
+
+    def __init__(self, model: nn.Module, layout: Layout, bounds: list[int]):
+        super().__init__()
+        if len(bounds) != layout.num_stages + 1:
+            raise ValueError(f"{len(bounds)} layer bounds for {layout.num_stages} pipeline stages")
+        self.parts = parts = family_of(model).modeling().STAGE
+        ties = tied_names(model)
+        owned = [i for s in layout.stage_ids for i in range(bounds[s], bounds[s + 1])]
+        parent, name = self._parent(model, parts.layers)
+        layers = getattr(parent, name)
+        setattr(parent, name, nn.ModuleDict({str(i): layers[i] for i in owned}))
+        for path in (() if layout.is_first else parts.first_only) + (() if layout.is_last else parts.last_only):
+            parent, name = self._parent(model, path)
+            setattr(parent, name, None)
+        for name, child in model.named_children():  # the same top-level names as the model
+            setattr(self, name, child)
+        self.config = model.config
+        self.layout = layout
+
+        kept = dict(self.named_parameters(remove_duplicate=False))
+        self.tied = {}
+        for names in ties:  # one entry per tie, in the model's order, so both ends pair them up
+            here = [n for n in names if n in kept]
+            if here and len(here) < len(names):
+                self.tied[here[0]] = kept[here[0]]
+
+        last = layout.num_stages - 1
+        self.chunks = [_Chunk(partial(self._run_stage, range(bounds[s], bounds[s + 1]), s == 0, s == last))
+                       for s in layout.stage_ids]  # a plain list: not registered twice
+
+    @staticmethod
+    def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
+        parent, _, name = path.rpartition(".")
+        return (model.get_submodule(parent) if parent else model), name
+
+    @property
+    def layers(self) -> nn.ModuleDict:
+        """This rank's transformer layers, keyed by their index in the whole model."""
+        return self.get_submodule(self.parts.layers)
+
+    def _run_stage(self, layer_ids: range, first: bool, last: bool, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) if first else x
+        for i in layer_ids:
+            h = self.layers[str(i)](h)
+            if isinstance(h, tuple):  # transformers 4.x blocks return tuples
+                h = h[0]
+        return self.final_norm(h) if last else h
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.parts.embed(self, input_ids)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.parts.final_norm(self, hidden)
+
+    def logits_and_labels(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat (positions, vocab) logits and their labels, as models.logits_and_labels."""
+        return self.parts.head_logits(self, hidden, labels)
+
+
+class _Chunk(nn.Module):
+    """One pipeline stage's forward, as the nn.Module PipelineStage wants. It registers no
+    parameters: they belong to the StageModule."""
+
+    def __init__(self, forward_fn):
+        super().__init__()
+        self.forward_fn = forward_fn
+
+    def forward(self, x):
+        return self.forward_fn(x)
+
+
+def split_model(model: nn.Module, layout: Layout, bounds: list[int]) -> StageModule:
+    """This rank's StageModule of a model of one of hvdtrain's families (see stage_bounds).
+
+    Build the whole model with the same seed on every rank first, so every stage starts from
+    the unsplit model's weights. The model is taken apart in place (no copy)."""
+    return StageModule(model, layout, bounds)
+
+
+def tied_parameters(stage: StageModule) -> dict[str, nn.Parameter]:
+    """Tied parameters whose other copy lives on another stage (see StageModule)."""
+    return stage.tied
+
+
+# ---------------------------------------------------------------- schedule
+
+class TokenLoss:
+    """The schedule's loss of one micro batch: `scale` x the sum of its token cross-entropies
+    (labels == -100 ignored). The schedule does not average over micro batches
+    (scale_grads=False): the caller picks the scale and normalises gradients itself (see
+    distributed.TokenNormalizer). `scale` may be changed between steps."""
+
+    def __init__(self, stage: StageModule, scale: float):
+        self.stage, self.scale = stage, scale
+
+    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits, labels = self.stage.logits_and_labels(hidden, labels)
+        loss = nn.functional.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        return loss * self.scale
+
+
+@dataclass
+class Pipeline:
+    """What run() needs: torch's schedule over this rank's PipelineStages, the layout, the loss."""
+    schedule: object
+    layout: Layout
+    loss: TokenLoss
+    n_microbatches: int
+
+
+def build_schedule(stage: StageModule, layout: Layout, groups: Groups, name: str, n_microbatches: int,
+                   loss_scale: float, device: torch.device) -> Pipeline:
+    """PipelineStages for this rank's chunks and torch's schedule `name` (see SCHEDULES) over them.
+
+    Shapes are inferred from the first batch (one extra forward and backward of its first micro
+    batch, without touching gradients or the RNG), so every later batch in the same mode (training
+    or evaluation) must have the same shape."""
+    check_schedule(name, layout.stages, layout.stages_per_rank, n_microbatches)
+    loss = TokenLoss(stage, loss_scale)
+    stages = [PipelineStage(chunk, s, layout.num_stages, device, group=groups.pipeline)
+              for s, chunk in zip(layout.stage_ids, stage.chunks)]
+    stage_arg = stages if name.lower() in INTERLEAVED else stages[0]  # multi- or single-stage class
+    schedule = get_schedule_class(name)(stage_arg, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)
+    return Pipeline(schedule, layout, loss, n_microbatches)
+
+
+def run(pipe: Pipeline, input_ids: torch.Tensor, labels: torch.Tensor, train: bool = True) -> torch.Tensor:
+    """One pass of the schedule over a batch that it splits into its micro batches along dim 0.
+
+    Every rank of a pipeline passes the same batch; the first stage reads input_ids, the last
+    the labels. With train=True each micro batch's backward accumulates into .grad (Horovod's
+    hooks fire during it); train=False runs forward and loss only (call stage.eval() first).
+    Returns the sum of token losses of the batch on the last stage, 0 on the others."""
+    layout = pipe.layout
+    args = (input_ids,) if layout.is_first else ()
+    losses = [] if layout.is_last else None
+    step = pipe.schedule.step if train else pipe.schedule.eval
+    # torch.distributed: send/recv of activations (and gradients) along the pipeline
+    step(*args, target=labels if layout.is_last else None, losses=losses, return_outputs=False)
+    if not layout.is_last:
+        return torch.zeros((), dtype=torch.float64, device=input_ids.device)
+    return torch.stack([loss.detach() for loss in losses]).double().sum() / pipe.loss.scale
+
+
+# ---------------------------------------------------------------- gradients after the backward
+
+def broadcast_stage(stage: StageModule, layout: Layout, groups: Groups):
+    """Copy the first copy's parameters and buffers to the other copies of this stage
+    (hvd.broadcast_parameters works on the global set only)."""
+    root = layout.stage_ranks(layout.stage)[0]  # a global rank, as Horovod wants
+    # Horovod: broadcast within the stage's process set
+    handles = [hvd.broadcast_async_(t, root, name=f"pipeline.broadcast.{name}", process_set=groups.process_set)
+               for name, t in stage.state_dict().items()]
+    for handle in handles:
+        hvd.synchronize(handle)
+
+
+def allreduce_grads_after(params, groups: Groups, op=None, compression=None, gradient_predivide_factor: float = 1.0):
+    """Reduce the gradients of this stage's copies in one grouped Horovod allreduce, after the
+    pipeline step. The mode for a plain (not Distributed) optimizer: no collective runs while
+    the pipeline's send/recv do, which NCCL needs to be safe. op: hvd.Average by default.
+
+    `compression` (hvd.Compression.fp16: sent as fp16) and `gradient_predivide_factor` f
+    (horovod.compression and horovod.gradient_predivide_factor) work as in
+    hvd.DistributedOptimizer: with Average each copy's gradient is divided by f before the sum
+    and the sum multiplied by f / copies after it, which keeps an fp16 sum from overflowing."""
+    op = hvd.Average if op is None else op
+    compression = hvd.Compression.none if compression is None else compression
+    params = [p for p in params if p.requires_grad]
+    for p in params:
+        if p.grad is None:  # every copy must send the same list
+            p.grad = torch.zeros_like(p)
+    compressed, contexts = zip(*[compression.compress(p.grad) for p in params])
+    scale = ({"prescale_factor": 1.0 / gradient_predivide_factor, "postscale_factor": gradient_predivide_factor}
+             if op == hvd.Average else {})
+    # Horovod: grouped allreduce within the stage's process set
+    hvd.grouped_allreduce_(list(compressed), op=op, name="pipeline.grads", process_set=groups.process_set, **scale)
+    for p, sent, context in zip(params, compressed, contexts):
+        if sent is not p.grad:  # reduced in a compressed copy: back into the gradient
+            p.grad.copy_(compression.decompress(sent, context))
+
+
+def allreduce_tied_grads(stage: StageModule, groups: Groups):
+    """Sum the gradients of tied copies between the first and last stage (Megatron's embedding
+    group), after the data-parallel reduction, so both copies take the same optimizer step."""
+    if groups.tied is None or not stage.tied:
+        return
+    for p in stage.tied.values():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, group=groups.tied)  # torch.distributed: allreduce (sum), first + last stage
+
+
+def _counted_grads(stage: StageModule) -> list[torch.Tensor]:
+    """This rank's gradients for global reductions: a tied weight counts once, on the first stage."""
+    copies = set(stage.tied.values()) if stage.layout.is_last and not stage.layout.is_first else set()
+    return [p.grad for p in stage.parameters() if p.grad is not None and p not in copies]
+
+
+def clip_grad_norm_(stage: StageModule, max_norm: float, groups: Groups) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ over the whole model: the L2 norm of all stages' gradients
+    (squares summed along the pipeline; the copies of a stage hold equal, reduced gradients),
+    and every stage scaled by the same coefficient. Returns the total norm before clipping."""
+    squares = torch.nn.utils.get_total_norm(_counted_grads(stage)) ** 2
+    dist.all_reduce(squares, group=groups.pipeline)  # torch.distributed: allreduce (sum) along the pipeline
+    total = squares.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(stage.parameters(), max_norm, total)
+    return total
+
+
+def share_found_inf(scaler: torch.amp.GradScaler, optimizer, groups: Groups):
+    """fp16: make the grad scaler of every stage of this pipeline see inf when any stage's
+    unscale_ found one, so that all stages skip the same steps and their scalers back off (and
+    restart their growth count) as the unsplit model's one scaler does. The scaler's own flags
+    are replaced in place by their maximum along the pipeline: no host read. Call after
+    scaler.unscale_ and after the data-parallel reduction (it spreads inf/nan to every copy)."""
+    flags = list(scaler._found_inf_per_device(optimizer).values())  # one per device, from unscale_
+    found = torch.stack(flags).amax()
+    dist.all_reduce(found, op=dist.ReduceOp.MAX, group=groups.pipeline)  # torch.distributed: allreduce (max)
+    for flag in flags:
+        flag.copy_(found)

@@ -1,0 +1,80 @@
+"""The arithmetic of pipeline stages, without torch: which layers go where, what a schedule
+needs, and its ideal bubble.
+
+hvdtrain.parallel.pipeline (which imports torch) re-exports all of it under the same names; `hvdtrain
+plan` imports it from here so that the CLI starts without torch.
+"""
+from hvdtrain.errors import UserError
+
+# torch's schedules (get_schedule_class names, any case) whose backward runs through autograd, so
+# that Horovod's gradient hooks fire while it runs. Zero-bubble schedules compute weight gradients
+# by hand and are left out. Only the interleaved one runs several stages per rank.
+SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
+INTERLEAVED = ("interleaved1f1b",)
+
+
+def stage_bounds(n_layer: int, stages: int, stages_per_rank: int = 1,
+                 boundaries: list[int] | None = None) -> list[int]:
+    """Layer boundaries b of the stages * stages_per_rank pipeline stages: stage i owns the
+    transformer layers b[i] .. b[i+1]-1, so b[0] = 0 and b[-1] = n_layer.
+
+    The default split is even once the embedding (first stage) and the head (last stage) are
+    each counted as one layer, as torchtitan weighs them: 4 layers on 2 stages give [0, 2, 4],
+    6 layers on 4 stages [0, 1, 3, 5, 6]. `boundaries` (parallel.layer_boundaries) chooses the
+    split by hand, in the same form; the first and the last stage may own no layer (embedding
+    or head only), every other stage needs one."""
+    n = stages * stages_per_rank
+    if n > n_layer:
+        raise UserError(f"parallel.pipeline_stages={stages} x parallel.stages_per_rank={stages_per_rank} = {n} "
+                        f"pipeline stages is more than the model's {n_layer} layers (model.n_layer)")
+    if boundaries is None:
+        return _even_bounds(n_layer, n)
+    b = list(boundaries)
+    if len(b) != n + 1 or b[0] != 0 or b[-1] != n_layer or any(x > y for x, y in zip(b, b[1:])):
+        raise UserError(f"parallel.layer_boundaries={b} must be {n + 1} rising layer indices from 0 to "
+                        f"{n_layer} (stage i owns layers b[i] .. b[i+1]-1)")
+    empty = [i for i in range(1, n - 1) if b[i] == b[i + 1]]
+    if empty:
+        raise UserError(f"parallel.layer_boundaries={b} gives stage {empty[0]} no layer")
+    return b
+
+
+def _even_bounds(n_layer: int, n: int) -> list[int]:
+    if n == 1:
+        return [0, n_layer]
+    units, extra = divmod(n_layer + 2, n)  # + embedding + head
+    sizes = [units + (i < extra) for i in range(n)]
+    sizes[0] -= 1   # the embedding takes one unit of the first stage
+    sizes[-1] -= 1  # the head one of the last
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+    return bounds
+
+
+def check_schedule(name: str, stages: int, stages_per_rank: int, microbatches: int):
+    """The schedule's needs, without a process group: config checks can call it before launch."""
+    if name.lower() not in SCHEDULES:
+        raise UserError(f"parallel.schedule '{name}' is not one of {', '.join(SCHEDULES)}")
+    interleaved = name.lower() in INTERLEAVED
+    if interleaved and (stages < 2 or stages_per_rank < 2):
+        raise UserError(f"parallel.schedule '{name}' needs parallel.pipeline_stages >= 2 and "
+                        f"parallel.stages_per_rank >= 2 (got {stages} and {stages_per_rank})")
+    if not interleaved and stages_per_rank != 1:
+        raise UserError(f"parallel.schedule '{name}' runs one stage per rank; set parallel.stages_per_rank=1 "
+                        f"or use interleaved1f1b")
+    if microbatches < stages:
+        raise UserError(f"parallel.microbatches={microbatches} must be at least parallel.pipeline_stages={stages}")
+    rounds = max(1, microbatches // stages)
+    if interleaved and microbatches % rounds:
+        raise UserError(f"parallel.microbatches={microbatches} must be a multiple of {rounds} for '{name}' "
+                        f"with {stages} pipeline stages (torch's rounds of micro batches)")
+
+
+def ideal_bubble(stages: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    """The share of a run each rank spends idle: (p-1)/(m+p-1) for GPipe and 1F1B, and
+    (p-1)/(v·m+p-1) for interleaved 1F1B with v stages per rank, whose bubble takes (p-1)/v
+    micro batch slots, v times fewer, while the work stays m slots (Narayanan et al. 2021,
+    "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", section
+    2.2.2: bubble time fraction (1/v)·(p-1)/m)."""
+    return (stages - 1) / (stages_per_rank * microbatches + stages - 1)

@@ -1,0 +1,1 @@
+"""Offline tools around training: plan, bench, report, generate/fill-mask, doctor."""

@@ -1,0 +1,225 @@
+"""One optimizer step's work on this worker, done one of two ways, chosen once at set-up.
+
+    PlainStep       the whole model on every worker; hvd.DistributedOptimizer allreduces the
+                    gradients over all workers, started by its hooks during the last backward
+    PipelinedStep   this worker's pipeline stage (hvdtrain.parallel.pipeline): torch's schedule runs the
+                    micro batches, Horovod reduces gradients among the copies of the stage only
+                    (during the schedule's backward, or after it), the tied embedding is summed
+                    between the first and last stage, and one gradient norm is taken over all
+                    stages
+
+Both answer the same calls, which the loop (hvdtrain.training.train.run_steps) makes in this order:
+
+    loss_sum = engine.forward_backward(micro_batches, timer)  # this rank's summed token losses
+    engine.reduce_gradients()                     # every copy holds the reduced gradients
+    engine.normalize(global_targets)              # ... divided by the step's target tokens
+    grad_norm = engine.clip_gradients(max_norm)   # unscaled, one norm, clipped
+    engine.optimizer_step(guard, grad_norm)       # step, or skip on inf/NaN (all ranks alike)
+    result = engine.evaluate(loader)              # the loss of every rank's validation slice
+    engine.close()                                # at the run's end; collective
+
+A sharded optimizer (gradients reduce-scattered, each rank stepping its shard, parameters
+gathered) is a third variant of the same calls. Collective calls are tagged `# Horovod:` (or
+`# torch.distributed:` along a pipeline).
+"""
+import math
+from contextlib import nullcontext
+
+import torch
+
+from hvdtrain.parallel import distributed, pipeline
+from hvdtrain.config import Config
+from hvdtrain.models.common import IGNORE_INDEX, logits_and_labels, token_loss_sum
+
+
+def autocast_for(device: torch.device, precision: str):
+    """train.precision as torch.autocast (off for fp32)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16,
+                          enabled=precision != "fp32")
+
+
+def evaluation_result(loss: float, correct: float, targets: float, accuracy: bool) -> dict:
+    """Sums of this rank's evaluation, summed over all ranks before dividing, so it is the loss
+    of the whole evaluated set."""
+    # Horovod: allreduce (sum) of the evaluation's sums
+    loss, correct, targets = distributed.allreduce_sum([loss, correct, targets], name="eval")
+    mean = loss / max(targets, 1)
+    result = {"eval_loss": mean, "eval_ppl": math.exp(mean) if mean < 50 else float("inf")}
+    if accuracy:
+        result["eval_accuracy"] = correct / max(targets, 1)
+    return result
+
+
+class PlainStep:
+    """The whole model, Horovod data parallelism over all workers. `optimizer` is Horovod's
+    DistributedOptimizer; `normalizer` a distributed.TokenNormalizer."""
+    stages = 1                # workers that read the same samples (distributed.StepTotals)
+    copies_per_stage = None   # with pipeline stages: the data-parallel copies of each (for the step breakdown)
+
+    def __init__(self, model, optimizer, scaler: torch.amp.GradScaler, normalizer, autocast, device: torch.device):
+        self.model, self.optimizer, self.scaler = model, optimizer, scaler
+        self.normalizer, self.autocast, self.device = normalizer, autocast, device
+
+    def forward_backward(self, micro_batches: list[dict], timer) -> torch.Tensor:
+        """Forward and backward of each micro batch; Horovod's hooks start the allreduce during
+        the last backward. Returns this rank's sum of token losses (a device tensor)."""
+        loss_sum = torch.zeros((), device=self.device)
+        for mb in micro_batches:
+            with timer.phase("forward"), self.autocast:
+                loss = token_loss_sum(self.model, mb)  # chunked: never the whole batch's logits
+            with timer.phase("backward"):
+                self.scaler.scale(loss * self.normalizer.loss_scale).backward()
+            loss_sum += loss.detach()
+        return loss_sum
+
+    def reduce_gradients(self):
+        """Wait for the gradient allreduce started in backward."""
+        self.optimizer.synchronize()  # Horovod: wait for the allreduce of gradients
+
+    def normalize(self, global_targets: float):
+        """Make the reduced gradients those of the loss per target token of the whole step."""
+        self.normalizer.finish(self.model, global_targets)
+
+    def clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """Unscale (fp16), clip to `max_norm`; returns the norm before clipping."""
+        self.scaler.unscale_(self.optimizer)
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    def agree_on_nonfinite(self):
+        """fp16: make every rank's scaler see the same inf/NaN. Here nothing to do: the
+        gradients were reduced, so an inf on one rank is on all of them."""
+
+    def stepping(self):
+        """The context of the optimizer's step: Horovod's wrapper must not reduce again."""
+        return self.optimizer.skip_synchronize()
+
+    def optimizer_step(self, guard, grad_norm: torch.Tensor):
+        """The optimizer's step, or a skip when the gradients are not finite (by the fp16 scaler,
+        or else by the guard: hvdtrain.training.run_guards), then the gradients zeroed."""
+        with self.stepping():
+            if not self.scaler.is_enabled():
+                guard.step(self.optimizer, grad_norm)
+            else:
+                self.agree_on_nonfinite()
+                guard.scaler_step(self.scaler, self.optimizer)
+        distributed.zero_grad(self.optimizer)
+
+    @torch.no_grad()
+    def evaluate(self, loader) -> dict:
+        """Loss and masked-token accuracy (for BERT) on each rank's fixed validation slice, over all ranks."""
+        self.model.eval()
+        loss = correct = targets = 0.0
+        for batch in loader:
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items() if torch.is_tensor(v)}
+            with self.autocast:
+                logits, labels = logits_and_labels(self.model, batch)
+            picked = labels != IGNORE_INDEX
+            loss += torch.nn.functional.cross_entropy(logits[picked].float(), labels[picked], reduction="sum").item()
+            correct += (logits[picked].argmax(-1) == labels[picked]).sum().item()
+            targets += picked.sum().item()
+        self.model.train()
+        return evaluation_result(loss, correct, targets, accuracy=True)
+
+    def describe(self) -> dict:
+        """What the run folder's config.yaml records of this engine (`resolved`)."""
+        return {}
+
+    def close(self):
+        """At the run's end, once every rank has finished its last step."""
+
+
+class PipelinedStep(PlainStep):
+    """This worker's pipeline stage (`model`, a pipeline.StageModule). `optimizer` is Horovod's
+    DistributedOptimizer over the copies of the stage, or (`reduce_after`) a plain one whose
+    gradients are reduced in one grouped allreduce after the schedule's run, where NCCL would
+    otherwise run two communicators at once."""
+
+    def __init__(self, model, optimizer, scaler, normalizer, autocast, device, layout: pipeline.Layout,
+                 groups: pipeline.Groups, pipe: pipeline.Pipeline, reduce_after: bool, cfg: Config):
+        super().__init__(model, optimizer, scaler, normalizer, autocast, device)
+        self.layout, self.groups, self.pipe, self.reduce_after, self.cfg = layout, groups, pipe, reduce_after, cfg
+        self.stages, self.copies_per_stage = layout.stages, layout.dp
+
+    def forward_backward(self, micro_batches, timer):
+        """The schedule's runs of m micro batches: forward and backward of every stage
+        interleaved (sends and receives along the pipeline). The sum of token losses is the last
+        stage's; 0 on the others."""
+        pipe, scaler = self.pipe, self.scaler
+        pipe.loss.scale = self.normalizer.loss_scale * (scaler.get_scale() if scaler.is_enabled() else 1.0)
+        loss_sum = torch.zeros((), device=self.device)
+        m = pipe.n_microbatches
+        for i in range(0, len(micro_batches), m):
+            run = micro_batches[i:i + m]
+            with timer.phase("pipeline"), self.autocast:
+                # torch.distributed: send/recv of activations and gradients along the pipeline
+                loss_sum += pipeline.run(pipe, torch.cat([mb["input_ids"] for mb in run]),
+                                         torch.cat([mb["labels"] for mb in run]))
+        return loss_sum
+
+    def reduce_gradients(self):
+        """The copies of the stage agree, then the tied embedding's two ends."""
+        if self.reduce_after:
+            h = self.cfg.horovod
+            # Horovod: grouped allreduce of the gradients within the stage's process set
+            pipeline.allreduce_grads_after(self.model.parameters(), self.groups, distributed.reduce_op(h),
+                                           distributed.compression(h), h.gradient_predivide_factor)
+        else:
+            self.optimizer.synchronize()  # Horovod: wait for the allreduce within the stage's process set
+        pipeline.allreduce_tied_grads(self.model, self.groups)  # torch.distributed: allreduce, first + last stage
+
+    def clip_gradients(self, max_norm):
+        self.scaler.unscale_(self.optimizer)
+        # torch.distributed: allreduce of the squared norms along the pipeline
+        return pipeline.clip_grad_norm_(self.model, max_norm, self.groups)
+
+    def agree_on_nonfinite(self):
+        """A stage that found no inf skips too, as the whole model would."""
+        pipeline.share_found_inf(self.scaler, self.optimizer, self.groups)  # torch.distributed: allreduce (max)
+
+    def stepping(self):
+        return nullcontext() if self.reduce_after else self.optimizer.skip_synchronize()
+
+    @torch.no_grad()
+    def evaluate(self, loader):
+        """The loss only (the last stage computes it; no accuracy), in runs of the schedule's m micro batches."""
+        pipe = self.pipe
+        self.model.eval()
+        loss = targets = 0.0
+        batches = [{k: v.to(self.device) for k, v in b.items() if torch.is_tensor(v)} for b in loader]
+        for i in range(0, len(batches), pipe.n_microbatches):
+            group = batches[i:i + pipe.n_microbatches]
+            # The schedule runs a fixed number of micro batches: fill the last group with ones
+            # that predict nothing.
+            group += [{"input_ids": group[0]["input_ids"], "labels": torch.full_like(group[0]["labels"], IGNORE_INDEX)}
+                      ] * (pipe.n_microbatches - len(group))
+            labels = torch.cat([b["labels"] for b in group])
+            with self.autocast:
+                # torch.distributed: send/recv of activations along the pipeline
+                loss += pipeline.run(pipe, torch.cat([b["input_ids"] for b in group]), labels, train=False).item()
+            if self.layout.is_last:
+                targets += (labels != IGNORE_INDEX).sum().item()
+        self.model.train()
+        return evaluation_result(loss, 0.0, targets, accuracy=False)
+
+    def describe(self):
+        layout, m = self.layout, self.pipe.n_microbatches
+        bubble = pipeline.ideal_bubble(layout.stages, m, layout.stages_per_rank)
+        return {"pipeline": f"{self.cfg.parallel.schedule}, {m} micro batches per run, ideal bubble {bubble:.0%}, "
+                            f"gradients reduced {'after' if self.reduce_after else 'during'} the pipeline's backward"}
+
+    def close(self):
+        self.groups.close()  # Horovod + torch.distributed: remove the process sets and groups (collective)
+
+
+def build_engine(cfg: Config, device, model, optimizer, scaler, grad_accum: int, shards: int, layout=None,
+                 groups=None, reduce_after: bool = False) -> PlainStep:
+    """The step engine of this run: pipelined when `layout` is given (then `groups` too)."""
+    t = cfg.train
+    normalizer = distributed.TokenNormalizer(cfg.horovod.op, shards, t.micro_batch_size * grad_accum * cfg.data.seq_len)
+    autocast = autocast_for(device, t.precision)
+    if layout is None:
+        return PlainStep(model, optimizer, scaler, normalizer, autocast, device)
+    pipe = pipeline.build_schedule(model, layout, groups, cfg.parallel.schedule,
+                                   cfg.parallel.microbatches or grad_accum, 1.0, device)
+    return PipelinedStep(model, optimizer, scaler, normalizer, autocast, device, layout, groups, pipe, reduce_after,
+                         cfg)
