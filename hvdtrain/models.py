@@ -7,11 +7,14 @@ scaled_dot_product_attention. The training loop sums the token losses itself
 """
 import os
 from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 
 import torch
 
 from hvdtrain.config import ModelConfig
 from hvdtrain.errors import UserError
+from hvdtrain.model_build import Blueprint
 
 IGNORE_INDEX = -100  # label of positions that are not predicted (the convention of transformers)
 # The embedding / output matrix gets a multiple of 64 rows (nanoGPT's 50257 -> 50304): tensor
@@ -37,8 +40,18 @@ class Vocab:
 
 
 def build_model(cfg: ModelConfig, vocab: Vocab, seq_len: int) -> torch.nn.Module:
+    """The whole model, initialised (or loaded from model.pretrained); see model_blueprint."""
+    blueprint = model_blueprint(cfg, vocab, seq_len)
+    return blueprint.materialise(blueprint.model)
+
+
+def model_blueprint(cfg: ModelConfig, vocab: Vocab, seq_len: int) -> Blueprint:
+    """The model with its parameters on the meta device (hvdtrain.model_build): a pipeline rank
+    keeps its stage of it, then makes only that real. Weights are initialised per module from
+    a seed drawn from torch's global generator (torch.manual_seed first), or read from the
+    safetensors files of model.pretrained."""
     if cfg.pretrained:
-        return load_pretrained(cfg, seq_len)
+        return pretrained_blueprint(cfg, seq_len)
     from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
 
     positions = cfg.max_position or seq_len
@@ -52,32 +65,38 @@ def build_model(cfg: ModelConfig, vocab: Vocab, seq_len: int) -> torch.nn.Module
                             # runs as several small ops and keeps their outputs for backward
                             activation_function="gelu_pytorch_tanh")
         config._attn_implementation = "sdpa"
-        return GPT2LMHeadModel(config)
+        return Blueprint(partial(GPT2LMHeadModel, config))
     config = BertConfig(vocab_size=rows, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layer,
                         num_attention_heads=cfg.n_head, intermediate_size=d_ff, hidden_dropout_prob=cfg.dropout,
                         attention_probs_dropout_prob=cfg.dropout, max_position_embeddings=positions,
                         pad_token_id=vocab.pad_id)
     config._attn_implementation = "sdpa"
-    return BertForMaskedLM(config)
+    return Blueprint(partial(BertForMaskedLM, config))
 
 
-def load_pretrained(cfg: ModelConfig, seq_len: int) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+def pretrained_blueprint(cfg: ModelConfig, seq_len: int) -> Blueprint:
+    """model.pretrained's architecture from its config.json, to be filled from its safetensors
+    files (a local folder, or a hub name whose json and safetensors files are fetched). Weights
+    from safetensors only: a pickled pytorch_model.bin can run code when loaded; and no Python
+    code from the folder or the hub (a config's auto_map)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 
-    auto = AutoModelForCausalLM if cfg.arch == "gpt2" else AutoModelForMaskedLM
     try:
-        # Weights from safetensors only: a pickled pytorch_model.bin can run code when loaded;
-        # and no Python code from the folder or the hub (a config's auto_map).
-        model = auto.from_pretrained(cfg.pretrained, attn_implementation="sdpa", use_safetensors=True,
-                                     trust_remote_code=False)
-    except (OSError, ValueError) as e:
+        folder = Path(cfg.pretrained)
+        if not folder.is_dir():
+            from huggingface_hub import snapshot_download
+            folder = Path(snapshot_download(cfg.pretrained, allow_patterns=["*.json", "*.safetensors"]))
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    except (OSError, ValueError) as e:  # huggingface_hub's errors are OSErrors or ValueErrors
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"model.pretrained '{cfg.pretrained}': could not load ({first})") from None
-    positions = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if positions is not None and positions < seq_len:
         raise UserError(f"model.pretrained '{cfg.pretrained}' has {positions} positions, fewer than "
                         f"data.seq_len={seq_len} (train the first phase with model.max_position={seq_len})")
-    return model
+    config._attn_implementation = "sdpa"
+    auto = AutoModelForCausalLM if cfg.arch == "gpt2" else AutoModelForMaskedLM
+    return Blueprint(partial(auto.from_config, config, trust_remote_code=False), weights=folder)
 
 
 def transformer_blocks(model) -> torch.nn.ModuleList:

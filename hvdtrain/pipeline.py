@@ -10,8 +10,9 @@ copies). Used by a worker, in this order:
     hvd.init(process_sets="dynamic")                  # process sets are added after init
     layout = layout_for(hvd.rank(), hvd.size(), stages)
     groups = open_groups(layout, "gloo")              # "nccl" on GPUs
-    torch.manual_seed(seed); model = build_model(...) # the whole model, the same on every rank
-    stage = split_model(model, layout, stage_bounds(n_layer, stages))
+    torch.manual_seed(seed); blueprint = model_blueprint(...)  # parameters on the meta device
+    stage = split_model(blueprint.model, layout, stage_bounds(n_layer, stages))
+    blueprint.materialise(stage)                      # only the stage's weights are made
     pipe = build_schedule(stage, layout, groups, "1f1b", microbatches, loss_scale, device)
     optimizer = hvd.DistributedOptimizer(opt, named_parameters=stage.named_parameters(),
                                          process_set=groups.process_set,
@@ -207,6 +208,7 @@ class StageModule(nn.Module):
         for name, child in model.named_children():  # the same top-level names as the model
             setattr(self, name, child)
         self.config = model.config
+        self.base_model_prefix = model.base_model_prefix  # how pretrained files may name the body
         self.layout = layout
 
         kept = dict(self.named_parameters(remove_duplicate=False))
@@ -305,8 +307,9 @@ def _tied_names(model: nn.Module) -> list[list[str]]:
 def split_model(model: nn.Module, layout: Layout, bounds: list[int]) -> StageModule:
     """This rank's StageModule of a GPT2LMHeadModel or BertForMaskedLM (see stage_bounds).
 
-    Build the whole model with the same seed on every rank first, so every stage starts from
-    the unsplit model's weights. The model is taken apart in place (no copy)."""
+    The model is taken apart in place (no copy). Split the blueprint of hvdtrain.model_build
+    (parameters on the meta device), then materialise the stage: a rank then never holds the
+    layers of another, and every stage starts from the unsplit model's weights."""
     if hasattr(model, "transformer"):
         return GPTStage(model, layout, bounds)
     if hasattr(model, "bert"):

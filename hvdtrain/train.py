@@ -31,7 +31,7 @@ from hvdtrain.data import DataBundle, build_data
 from hvdtrain.errors import UserError
 from hvdtrain.export import load_checkpoint_model, save_hf
 from hvdtrain.lr_schedule import lr_multiplier
-from hvdtrain.models import IGNORE_INDEX, build_model, logits_and_labels, prepare, token_loss_sum
+from hvdtrain.models import IGNORE_INDEX, logits_and_labels, model_blueprint, prepare, token_loss_sum
 from hvdtrain.optimizers import build_optimizer
 from hvdtrain.paths import check_writable_folder
 from hvdtrain.profiling import Profiler
@@ -185,13 +185,15 @@ def build_model_and_optimizer(cfg: Config, data: DataBundle, device, grad_accum:
     whole model's tied parameter names and whether gradients are reduced after the pipeline."""
     t, par = cfg.train, cfg.parallel
     torch.manual_seed(t.seed)
-    model = build_model(cfg.model, data.vocab, cfg.data.seq_len)
+    blueprint = model_blueprint(cfg.model, data.vocab, cfg.data.seq_len)  # parameters on the meta device
+    model = blueprint.model
     prepare(model, cfg.model)  # activation checkpointing, compiled blocks
     aliases = checkpoint.tie_aliases(model)  # of the whole model, before a split
     if layout is not None:  # keep this worker's stage only, under the whole model's names
         bounds = pipeline.stage_bounds(model.config.num_hidden_layers, layout.stages, layout.stages_per_rank,
                                        par.layer_boundaries)
         model = pipeline.split_model(model, layout, bounds)
+    blueprint.materialise(model)  # only now real: initialised per module, or read from model.pretrained
     model.to(device)
     model.train()
     peak_lr = t.lr * distributed.lr_scale(t.lr_scaling, shards)
