@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from hvdtrain.checkpoint import tie_aliases
 from hvdtrain.errors import UserError
 
 
@@ -76,6 +77,7 @@ class Blueprint:
             self.model = make()
         self.seed = int(torch.randint(2 ** 62, ())) if seed is None else seed
         self.weights = weights
+        self.aliases = tie_aliases(self.model)  # a stage's tied half may be saved under the other name
         # The whole model's modules in initialisation order, recorded before any split takes
         # modules out of the tree: a tied weight is initialised as in the whole model also
         # where only one of its modules is kept.
@@ -92,7 +94,7 @@ class Blueprint:
                         made[id(p)] = nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
                     module._parameters[key] = made[id(p)]
         if self.weights is not None:
-            load_part(part, self.weights)
+            load_part(part, self.weights, self.aliases)
         else:
             self._initialise()
         self.modules = []  # the modules the part does not hold can go now
@@ -135,18 +137,16 @@ def safetensors_files(folder: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def load_part(part: nn.Module, folder: Path):
+def load_part(part: nn.Module, folder: Path, aliases: dict[str, list[str]]):
     """Copy into `part` its own tensors (state_dict names) from the folder's safetensors files,
     one tensor at a time: the files are opened and only the part's names are read. A name not
-    in the files is looked for under the other names of its tied parameter and without the
-    model's base prefix ("transformer.", "bert."), as save_pretrained may write them."""
+    in the files is looked for under the other names of its tied parameter in the whole model
+    (`aliases`, checkpoint.tie_aliases) and without the model's base prefix ("transformer.",
+    "bert."), as save_pretrained may write them."""
     from safetensors import safe_open
-
-    from hvdtrain.checkpoint import tie_aliases
 
     files = safetensors_files(folder)
     prefix = part.base_model_prefix  # a PreTrainedModel's, or the one a pipeline stage copies
-    aliases = tie_aliases(part)
     targets = part.state_dict(keep_vars=True)
     by_file: dict[Path, list[tuple[str, str]]] = {}
     for name in targets:
