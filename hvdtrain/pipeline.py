@@ -212,11 +212,11 @@ class StageModule(nn.Module):
         self.layout = layout
 
         kept = dict(self.named_parameters(remove_duplicate=False))
-        self.tied = {}
+        self.tied_names = []
         for names in ties:  # one entry per tie, in the model's order, so both ends pair them up
             here = [n for n in names if n in kept]
             if here and len(here) < len(names):
-                self.tied[here[0]] = kept[here[0]]
+                self.tied_names.append(here[0])
 
         last = layout.num_stages - 1
         self.chunks = [_Chunk(partial(self._run_stage, range(bounds[s], bounds[s + 1]), s == 0, s == last))
@@ -226,6 +226,12 @@ class StageModule(nn.Module):
     def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
         parent, _, name = path.rpartition(".")
         return (model.get_submodule(parent) if parent else model), name
+
+    @property
+    def tied(self) -> dict[str, nn.Parameter]:
+        """Looked up by name: the parameters may be replaced after the split (made real from
+        the meta device, hvdtrain.model_build)."""
+        return {name: self.get_parameter(name) for name in self.tied_names}
 
     @property
     def layers(self) -> nn.ModuleDict:

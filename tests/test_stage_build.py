@@ -54,6 +54,9 @@ def test_every_layout_starts_from_the_unsplit_model_s_weights_and_buffers(arch, 
     for s in range(stages):
         stage = build_stage(tiny(arch), pipeline.Layout(stages, 1, s, 0, per_rank), bounds)
         assert not any(t.is_meta for t in [*stage.parameters(), *stage.buffers()])
+        # The tied halves the pipeline keeps equal are the stage's real parameters.
+        assert len(stage.tied) == (s in (0, stages - 1)) and all(p in set(stage.parameters())
+                                                                 for p in stage.tied.values())
         assert_equal_tensors(reference, {**stage.state_dict(), **dict(stage.named_buffers())})
         held |= set(stage.state_dict())
     assert held == set(whole.state_dict())
