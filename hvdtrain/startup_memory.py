@@ -60,13 +60,15 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        if not all(s.strip().isdigit() and int(s) > 0 for s in args.stages.split(",")):
+            raise UserError(f"--stages '{args.stages}': expected stage counts separated by commas, e.g. 1,2,4")
         stage_counts = [int(s) for s in args.stages.split(",")]
         print(f"{'stages':>6} {'stage':>5} {'peak host MB':>12} {'weights MB':>10}")
         for stages in stage_counts:
             for row in startup_peaks(cfg, stages):
                 print(f"{stages:>6} {row['stage']:>5} {row['peak_bytes'] / 1e6:>12,.0f} "
                       f"{row['weight_bytes'] / 1e6:>10,.0f}")
-    except (UserError, ValueError) as e:
+    except UserError as e:
         print(f"hvdtrain: error: {e}", file=sys.stderr)
         return 2
     return 0

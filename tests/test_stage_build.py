@@ -4,13 +4,14 @@ about its share of the host memory; its initial weights are the unsplit model's,
 layout; model.pretrained is read per stage from (sharded) safetensors files."""
 import json
 import re
+import sys
 
 import pytest
 import safetensors
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
-from helpers import WORKERS, horovodrun, load_params, write_config
+from helpers import WORKERS, horovodrun, load_params, run_cmd, write_config
 from hvdtrain import pipeline
 from hvdtrain.config import ModelConfig
 from hvdtrain.errors import UserError
@@ -214,3 +215,26 @@ def test_two_stages_load_a_sharded_pretrained_folder_as_transformers_does(tmp_pa
     for r in range(2):
         assert_equal_tensors(reference, load_params(tmp_path / "p2", r))
 
+
+
+@pytest.mark.workers
+def test_startup_peaks_measure_each_pipeline_position_in_a_fresh_process(tmp_path):
+    """What `hvdtrain bench memory` reports: 8 layers x 512 (101 MB), each position built alone."""
+    from hvdtrain.config import load_config
+    from hvdtrain.startup_memory import startup_peaks
+
+    cfg = load_config(write_config(tmp_path / "config.yaml", {"model": {"n_layer": 8, "n_head": 8, "d_model": 512}}))
+    [one] = startup_peaks(cfg, 1)
+    two = startup_peaks(cfg, 2)
+    assert one["weight_bytes"] > 100e6 and one["peak_bytes"] > 0.9 * one["weight_bytes"]
+    assert [r["stage"] for r in two] == [0, 1]
+    for row in two:
+        assert row["weight_bytes"] < 0.51 * one["weight_bytes"]
+        assert row["peak_bytes"] < 0.5 * one["peak_bytes"] + 0.1 * one["peak_bytes"], (one, two)
+
+
+def test_startup_memory_refuses_bad_stage_counts_in_one_line(tmp_path):
+    proc = run_cmd([sys.executable, "-m", "hvdtrain.startup_memory", write_config(tmp_path / "c.yaml"),
+                    "--stages", "1,two"])
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "hvdtrain: error: --stages '1,two': expected stage counts separated by commas, e.g. 1,2,4"], proc.stderr
