@@ -175,7 +175,8 @@ def _build_and_measure(build: Callable[[], nn.Module], queue):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     part = build()
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    weights = sum(t.numel() * t.element_size() for t in {id(t): t for t in part.state_dict().values()}.values())
+    tensors = {t.data_ptr(): t for t in part.state_dict().values()}  # a tied tensor once
+    weights = sum(t.numel() * t.element_size() for t in tensors.values())
     queue.put(((after - before) * 1024, weights))  # ru_maxrss is in KiB on Linux
 
 

@@ -38,7 +38,7 @@ after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 out = Path(cfg.out_dir)
 out.mkdir(parents=True, exist_ok=True)
 state = model.state_dict()
-weights = sum(t.numel() * t.element_size() for t in {id(t): t for t in state.values()}.values())
+weights = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in state.values()}.values())  # tied: once
 (out / f"build_rank{world.rank}.json").write_text(json.dumps({"peak_rise": (after - before) * 1024,  # KiB
                                                               "weights": weights}))
 if not memory_only:  # clones: safetensors refuses the two names of one tied tensor
