@@ -1,7 +1,9 @@
 """The two model families, built with Hugging Face transformers, and the training loss.
 
 GPT-2 (causal LM) and BERT (masked LM) are built from the config for training from scratch,
-or loaded from `model.pretrained` to continue pretraining. Attention goes through PyTorch's
+or loaded from `model.pretrained` to continue pretraining, in two steps (`model_blueprint`,
+hvdtrain.model_build): the model with its parameters on the meta device, then the part a rank
+keeps made real (the whole model, or its pipeline stage). Attention goes through PyTorch's
 scaled_dot_product_attention. The training loop sums the token losses itself
 (`token_loss_sum`), so it can normalise by the number of targets in the whole optimizer step.
 """
