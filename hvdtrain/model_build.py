@@ -29,7 +29,6 @@ import contextlib
 import hashlib
 import json
 import multiprocessing
-import resource
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -169,21 +168,41 @@ def load_part(part: nn.Module, folder: Path, aliases: dict[str, list[str]]):
 
 # ---------------------------------------------------------------- start-up memory
 
+class PeakRise:
+    """The rise of this process's peak resident set over a `with` block (Linux): the peak is
+    reset at its start (/proc/self/clear_refs), so nothing that ran before counts, and the
+    rise is measured from the resident set then. `rise` (bytes) is set when the block ends."""
+    rise: int
+
+    def __enter__(self):
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
+        self.start = _status_bytes("VmRSS")
+        return self
+
+    def __exit__(self, *exc):
+        self.rise = _status_bytes("VmHWM") - self.start
+
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024  # "VmHWM:   123456 kB"
+    raise KeyError(field)
+
+
 def _build_and_measure(build: Callable[[], nn.Module], queue):
     import transformers  # the imports a build makes are not its memory
     transformers.GPT2LMHeadModel, transformers.BertForMaskedLM  # noqa: B018 (lazy modules load on access)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    part = build()
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with PeakRise() as peak:
+        part = build()
     tensors = {t.data_ptr(): t for t in part.state_dict().values()}  # a tied tensor once
-    weights = sum(t.numel() * t.element_size() for t in tensors.values())
-    queue.put(((after - before) * 1024, weights))  # ru_maxrss is in KiB on Linux
+    queue.put((peak.rise, sum(t.numel() * t.element_size() for t in tensors.values())))
 
 
 def startup_peak_bytes(build: Callable[[], nn.Module]) -> tuple[int, int]:
     """(peak host memory `build()` adds, bytes of the state it returns), measured in a fresh
-    process (so that nothing built before counts): the rise of its peak resident set while
-    building. `build` must be picklable (a module-level function or a functools.partial)."""
+    process (so that nothing built before is in it): the rise of its peak resident set while
+    building (PeakRise). `build` must be picklable (a module-level function or a partial)."""
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     process = context.Process(target=_build_and_measure, args=(build, queue))

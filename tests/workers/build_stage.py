@@ -1,11 +1,11 @@
 """Test worker: build this rank's model as `hvdtrain train` does (train.build_model_and_optimizer:
 the whole model, or its pipeline stage), then write OUT_DIR/build_rank{R}.json with the rise of
-the process's peak resident set while building and the bytes of what it built, and (unless the
-first argument is `--memory-only`) the built weights as OUT_DIR/params_rank{R}.safetensors.
+the process's peak resident set while building (model_build.PeakRise) and the bytes of what it
+built, and (unless the first argument is `--memory-only`) the built weights as
+OUT_DIR/params_rank{R}.safetensors.
 
     build_stage.py [--memory-only] CONFIG KEY=VALUE..."""
 import json
-import resource
 import sys
 from pathlib import Path
 
@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from hvdtrain import distributed, pipeline
 from hvdtrain.config import load_config, resolve_batch
+from hvdtrain.model_build import PeakRise
 from hvdtrain.train import build_model_and_optimizer, check_data
 
 memory_only = sys.argv[1] == "--memory-only"
@@ -31,16 +32,14 @@ if par.pipeline_stages > 1:
 data = check_data(cfg, world, shards, global_batch, grad_accum)
 transformers.GPT2LMHeadModel, transformers.BertForMaskedLM  # noqa: B018 (imported now, not while measured)
 
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-model = build_model_and_optimizer(cfg, data, world.device, grad_accum, shards, layout, groups)[0]
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+with PeakRise() as peak:
+    model = build_model_and_optimizer(cfg, data, world.device, grad_accum, shards, layout, groups)[0]
 
 out = Path(cfg.out_dir)
 out.mkdir(parents=True, exist_ok=True)
 state = model.state_dict()
 weights = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in state.values()}.values())  # tied: once
-(out / f"build_rank{world.rank}.json").write_text(json.dumps({"peak_rise": (after - before) * 1024,  # KiB
-                                                              "weights": weights}))
+(out / f"build_rank{world.rank}.json").write_text(json.dumps({"peak_rise": peak.rise, "weights": weights}))
 if not memory_only:  # clones: safetensors refuses the two names of one tied tensor
     save_file({k: v.detach().clone() for k, v in state.items()}, str(out / f"params_rank{world.rank}.safetensors"))
 if groups is not None:
