@@ -15,10 +15,10 @@ model is built. So a model is built in three steps (`Blueprint`):
 2. The caller keeps what it wants of `blueprint.model` (the split takes it apart in place).
 3. `materialise` gives the kept parameters empty CPU storage (what `to_empty` does, restricted
    to them, and keeping tied parameters one tensor), then fills them: from a folder's
-   safetensors files, reading only the kept tensors (`read_safetensors`), or with
+   safetensors files, reading only the kept tensors (`load_part`), or with
    transformers' own per-module initialisation (`model._init_weights(module)`, children before
    parents as transformers applies it), each module under torch's generator seeded by
-   (seed, the module's qualified name). A weight's initial value then depends only on its
+   (seed, the module's qualified name) on the CPU, where the part is made. A weight's initial value then depends only on its
    name and the seed, not on which other layers the rank holds: every pipeline layout starts
    from the unsplit model's weights, bit for bit, and the distributions are GPT-2's and BERT's.
 
@@ -68,7 +68,7 @@ class Blueprint:
     """A model whose parameters are on the meta device, and how to make a part of it real.
 
     `seed`: the base of the per-module seeds; by default one draw of torch's global generator,
-    so `torch.manual_seed(s)` before building fixes the weights as it did before.
+    so `torch.manual_seed(s)` before building still decides the weights.
     `weights`: a folder of safetensors files to fill the part from instead (model.pretrained)."""
 
     def __init__(self, make: Callable[[], nn.Module], seed: int | None = None, weights: Path | None = None):
@@ -101,10 +101,12 @@ class Blueprint:
 
     @torch.no_grad()
     def _initialise(self):
+        # The CPU generator only (the parameters are on the CPU), restored afterwards: what
+        # draws from torch's generators after the build (dropout) draws as it would without it.
         with torch.random.fork_rng(devices=[]):
             for name, module, init in self.modules:
                 if any(not p.is_meta for p in module.parameters()):
-                    torch.manual_seed(module_seed(self.seed, name))
+                    torch.default_generator.manual_seed(module_seed(self.seed, name))
                     init(module)
 
 
