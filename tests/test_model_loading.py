@@ -17,7 +17,7 @@ from hvdtrain.config import ModelConfig
 from hvdtrain.data.tokenizer import _pretrained, train_tokenizer
 from hvdtrain.errors import UserError
 from hvdtrain.checkpointing.export import load_checkpoint_model
-from hvdtrain.models.common import load_pretrained
+from hvdtrain.models.common import Vocab, build_model
 
 TEXTS = [["the quick brown fox jumps over the lazy dog", "a loop runs the statement again and again"] * 20]
 CUSTOM_CODE = "import pathlib; pathlib.Path({marker!r}).touch()\n"
@@ -108,7 +108,7 @@ def test_model_pretrained_never_unpickles_nor_runs_the_folder_s_code(tmp_path, a
     marker = tmp_path / "marker"
     folder = TRAPS[trap](model_folder(tmp_path / "model", arch), marker)
     with pytest.raises(UserError, match="model.pretrained"):
-        load_pretrained(ModelConfig(arch=arch, pretrained=str(folder)), seq_len=16)
+        build_model(ModelConfig(arch=arch, pretrained=str(folder)), Vocab(size=100, pad_id=0), seq_len=16)
     assert "[y/N]" not in capsys.readouterr().out
     assert not marker.exists()
 
@@ -141,5 +141,5 @@ def test_a_pretrained_tokenizer_never_runs_the_folder_s_code(tmp_path, capsys):
 def test_a_pretrained_folder_of_another_family_is_refused(tmp_path, arch, folder_arch):
     folder = model_folder(tmp_path / "model", folder_arch)
     with pytest.raises(UserError, match=f"model.pretrained '{folder}'") as refused:
-        load_pretrained(ModelConfig(arch=arch, pretrained=str(folder)), seq_len=16)
+        build_model(ModelConfig(arch=arch, pretrained=str(folder)), Vocab(size=100, pad_id=0), seq_len=16)
     assert len(str(refused.value).splitlines()) == 1

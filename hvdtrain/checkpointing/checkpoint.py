@@ -39,7 +39,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file, save_model
 
 from hvdtrain.errors import UserError
-from hvdtrain.models.common import tied_names
+from hvdtrain.models.ties import tie_aliases
 from hvdtrain.paths import written_whole
 
 log = logging.getLogger(__name__)
@@ -295,13 +295,6 @@ def read_rngs(path: Path, world_size: int) -> list[dict[str, torch.Tensor]]:
         rank, name = key.split("/", 1)
         rngs[int(rank[len("rank"):])][name] = value
     return rngs
-
-
-def tie_aliases(model) -> dict[str, list[str]]:
-    """For each parameter name, the other names of the same tied parameter in the whole model
-    (GPT-2's wte and lm_head, BERT's word embeddings and decoder): a checkpoint may hold it
-    under one name only (one process) or under both (pipeline stages)."""
-    return {n: [m for m in names if m != n] for names in tied_names(model) for n in names}
 
 
 def _read_tensors(path: Path, prefix: str, wanted) -> dict[str, torch.Tensor]:

@@ -1,18 +1,23 @@
 """The models hvdtrain trains, built with Hugging Face transformers, and the training loss.
 
 A model of the family `model.arch` names (hvdtrain.models: GPT-2, BERT) is built from the
-config for training from scratch, or loaded from `model.pretrained` to continue pretraining.
-Attention goes through PyTorch's scaled_dot_product_attention. The training loop sums the token losses itself
+config for training from scratch, or loaded from `model.pretrained` to continue pretraining, in
+two steps (`model_blueprint`, hvdtrain.models.model_build): the model with its parameters on
+the meta device, then the part a rank keeps made real (the whole model, or its pipeline stage).
+Attention goes through PyTorch's scaled_dot_product_attention. The training loss is summed here
 (`token_loss_sum`), so it can normalise by the number of targets in the whole optimizer step.
 """
 import os
 from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 
 import torch
 
 from hvdtrain.config import ModelConfig
 from hvdtrain.errors import UserError
 from hvdtrain.models import family, family_of
+from hvdtrain.models.model_build import Blueprint
 
 IGNORE_INDEX = -100  # label of positions that are not predicted (the convention of transformers)
 # The embedding / output matrix gets a multiple of 64 rows (nanoGPT's 50257 -> 50304): tensor
@@ -38,34 +43,51 @@ class Vocab:
 
 
 def build_model(cfg: ModelConfig, vocab: Vocab, seq_len: int) -> torch.nn.Module:
-    """A new model of `cfg`'s family and shape (or `model.pretrained`), on the CPU."""
+    """The whole model, initialised (or loaded from model.pretrained); see model_blueprint."""
+    blueprint = model_blueprint(cfg, vocab, seq_len)
+    return blueprint.materialise(blueprint.model)
+
+
+def model_blueprint(cfg: ModelConfig, vocab: Vocab, seq_len: int) -> Blueprint:
+    """The model with its parameters on the meta device (hvdtrain.models.model_build): a pipeline rank
+    keeps its stage of it, then makes only that real. Weights are initialised per module from
+    a seed drawn from torch's global generator (torch.manual_seed first), or read from the
+    safetensors files of model.pretrained."""
     if cfg.pretrained:
-        return load_pretrained(cfg, seq_len)
+        return pretrained_blueprint(cfg, seq_len)
     rows = -(-vocab.size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    return family(cfg.arch).modeling().build(cfg, vocab, rows, positions=cfg.max_position or seq_len,
-                                             d_ff=cfg.d_ff or 4 * cfg.d_model)
+    make = family(cfg.arch).modeling().model_maker(cfg, vocab, rows, positions=cfg.max_position or seq_len,
+                                                   d_ff=cfg.d_ff or 4 * cfg.d_model)
+    return Blueprint(make)
 
 
-def load_pretrained(cfg: ModelConfig, seq_len: int) -> torch.nn.Module:
+def pretrained_blueprint(cfg: ModelConfig, seq_len: int) -> Blueprint:
+    """model.pretrained's architecture from its config.json, to be filled from its safetensors
+    files (a local folder, or a hub name whose json and safetensors files are fetched). Weights
+    from safetensors only: a pickled pytorch_model.bin can run code when loaded; and no Python
+    code from the folder or the hub (a config's auto_map)."""
     import transformers
+    from transformers import AutoConfig
 
-    auto = getattr(transformers, family(cfg.arch).auto_class)
     try:
-        # Weights from safetensors only: a pickled pytorch_model.bin can run code when loaded;
-        # and no Python code from the folder or the hub (a config's auto_map).
-        model = auto.from_pretrained(cfg.pretrained, attn_implementation="sdpa", use_safetensors=True,
-                                     trust_remote_code=False)
-    except (OSError, ValueError) as e:
+        folder = Path(cfg.pretrained)
+        if not folder.is_dir():
+            from huggingface_hub import snapshot_download
+            folder = Path(snapshot_download(cfg.pretrained, allow_patterns=["*.json", "*.safetensors"]))
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    except (OSError, ValueError) as e:  # huggingface_hub's errors are OSErrors or ValueErrors
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"model.pretrained '{cfg.pretrained}': could not load ({first})") from None
-    if model.config.model_type not in family(cfg.arch).model_types:
-        raise UserError(f"model.pretrained '{cfg.pretrained}' is a {model.config.model_type} model, not of the "
+    if config.model_type not in family(cfg.arch).model_types:
+        raise UserError(f"model.pretrained '{cfg.pretrained}' is a {config.model_type} model, not of the "
                         f"family model.arch={cfg.arch}; set model.arch to the folder's family")
-    positions = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if positions is not None and positions < seq_len:
         raise UserError(f"model.pretrained '{cfg.pretrained}' has {positions} positions, fewer than "
                         f"data.seq_len={seq_len} (train the first phase with model.max_position={seq_len})")
-    return model
+    config._attn_implementation = "sdpa"
+    auto = getattr(transformers, family(cfg.arch).auto_class)
+    return Blueprint(partial(auto.from_config, config, trust_remote_code=False), weights=folder)
 
 
 def transformer_blocks(model) -> torch.nn.ModuleList:
@@ -103,15 +125,6 @@ def switch(name: str) -> str:
     if value not in choices:
         raise UserError(f"environment variable {name}={value!r}: expected one of {', '.join(choices)}")
     return value
-
-
-def tied_names(model) -> list[list[str]]:
-    """Groups of names that are one parameter in the model (GPT-2's wte and lm_head, BERT's word
-    embeddings and decoder), in the model's order."""
-    by_param = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_param.setdefault(p, []).append(name)
-    return [names for names in by_param.values() if len(names) > 1]
 
 
 def apply_speedups(model, cfg: ModelConfig):

@@ -10,8 +10,9 @@ copies). Used by a worker, in this order:
     hvd.init(process_sets="dynamic")                  # process sets are added after init
     layout = layout_for(hvd.rank(), hvd.size(), stages)
     groups = open_groups(layout, "gloo")              # "nccl" on GPUs
-    torch.manual_seed(seed); model = build_model(...) # the whole model, the same on every rank
-    stage = split_model(model, layout, stage_bounds(n_layer, stages))
+    torch.manual_seed(seed); blueprint = model_blueprint(...)  # parameters on the meta device
+    stage = split_model(blueprint.model, layout, stage_bounds(n_layer, stages))
+    blueprint.materialise(stage)                      # only the stage's weights are made
     pipe = build_schedule(stage, layout, groups, "1f1b", microbatches, loss_scale, device)
     optimizer = hvd.DistributedOptimizer(opt, named_parameters=stage.named_parameters(),
                                          process_set=groups.process_set,
@@ -42,7 +43,8 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 
 from hvdtrain.errors import UserError
 from hvdtrain.models import family_of
-from hvdtrain.models.common import IGNORE_INDEX, tied_names
+from hvdtrain.models.common import IGNORE_INDEX
+from hvdtrain.models.ties import tied_names
 # The torch-free arithmetic (split, schedule checks, ideal bubble) lives in pipeline_plan, for
 # `hvdtrain plan`; its names are part of this module's API too.
 from hvdtrain.parallel.pipeline_plan import (INTERLEAVED, SCHEDULES, _even_bounds, check_schedule,  # noqa: F401
@@ -209,14 +211,15 @@ class StageModule(nn.Module):
         for name, child in model.named_children():  # the same top-level names as the model
             setattr(self, name, child)
         self.config = model.config
+        self.base_model_prefix = model.base_model_prefix  # how pretrained files may name the body
         self.layout = layout
 
         kept = dict(self.named_parameters(remove_duplicate=False))
-        self.tied = {}
+        self.tied_names = []
         for names in ties:  # one entry per tie, in the model's order, so both ends pair them up
             here = [n for n in names if n in kept]
             if here and len(here) < len(names):
-                self.tied[here[0]] = kept[here[0]]
+                self.tied_names.append(here[0])
 
         last = layout.num_stages - 1
         self.chunks = [_Chunk(partial(self._run_stage, range(bounds[s], bounds[s + 1]), s == 0, s == last))
@@ -226,6 +229,12 @@ class StageModule(nn.Module):
     def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
         parent, _, name = path.rpartition(".")
         return (model.get_submodule(parent) if parent else model), name
+
+    @property
+    def tied(self) -> dict[str, nn.Parameter]:
+        """Looked up by name: the parameters may be replaced after the split (made real from
+        the meta device, hvdtrain.models.model_build)."""
+        return {name: self.get_parameter(name) for name in self.tied_names}
 
     @property
     def layers(self) -> nn.ModuleDict:
@@ -266,8 +275,10 @@ class _Chunk(nn.Module):
 def split_model(model: nn.Module, layout: Layout, bounds: list[int]) -> StageModule:
     """This rank's StageModule of a model of one of hvdtrain's families (see stage_bounds).
 
-    Build the whole model with the same seed on every rank first, so every stage starts from
-    the unsplit model's weights. The model is taken apart in place (no copy)."""
+    The model is taken apart in place (no copy). Split the blueprint of
+    hvdtrain.models.model_build (parameters on the meta device), then materialise the stage: a
+    rank then never holds the layers of another, and every stage starts from the unsplit
+    model's weights."""
     return StageModule(model, layout, bounds)
 
 

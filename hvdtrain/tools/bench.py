@@ -249,10 +249,9 @@ def flops_and_peak(cfg: Config, data, device) -> tuple[float | None, float | Non
     device's peak TFLOP/s for the recipe's precision (log.peak_tflops overrides; none on a CPU)."""
     import torch
 
-    from hvdtrain.models.common import build_model
+    from hvdtrain.models.common import model_blueprint
 
-    with torch.device("meta"):
-        dims = flops.built_model_dims(build_model(cfg.model, data.vocab, cfg.data.seq_len).config)
+    dims = flops.built_model_dims(model_blueprint(cfg.model, data.vocab, cfg.data.seq_len).model.config)
     per_token = flops.model_flops_per_token(cfg, dims) if dims else None
     if cfg.log.peak_tflops is not None:
         return per_token, cfg.log.peak_tflops, "log.peak_tflops"

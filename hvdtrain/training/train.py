@@ -35,7 +35,8 @@ from hvdtrain.data import DataBundle, build_data
 from hvdtrain.errors import UserError
 from hvdtrain.checkpointing.export import load_checkpoint_model, save_hf
 from hvdtrain.optim.lr_schedule import lr_multiplier
-from hvdtrain.models.common import apply_speedups, build_model
+from hvdtrain.models.common import apply_speedups, model_blueprint
+from hvdtrain.models.ties import tie_aliases
 from hvdtrain.optim.optimizers import build_optimizer
 from hvdtrain.paths import check_writable_folder
 from hvdtrain.observe.profiling import Profiler
@@ -151,13 +152,15 @@ def build_model_and_optimizer(cfg: Config, data: DataBundle, device, grad_accum:
     whole model's tied parameter names and whether gradients are reduced after the pipeline."""
     t, par = cfg.train, cfg.parallel
     torch.manual_seed(t.seed)
-    model = build_model(cfg.model, data.vocab, cfg.data.seq_len)
+    blueprint = model_blueprint(cfg.model, data.vocab, cfg.data.seq_len)  # parameters on the meta device
+    model = blueprint.model
     apply_speedups(model, cfg.model)  # activation checkpointing, compiled blocks
-    aliases = checkpoint.tie_aliases(model)  # of the whole model, before a split
+    aliases = tie_aliases(model)  # of the whole model, before a split
     if layout is not None:  # keep this worker's stage only, under the whole model's names
         bounds = pipeline.stage_bounds(model.config.num_hidden_layers, layout.stages, layout.stages_per_rank,
                                        par.layer_boundaries)
         model = pipeline.split_model(model, layout, bounds)
+    blueprint.materialise(model)  # only now real: initialised per module, or read from model.pretrained
     model.to(device)
     model.train()
     peak_lr = t.lr * distributed.lr_scale(t.lr_scaling, shards)

@@ -19,6 +19,7 @@ from hvdtrain.training import rng
 from hvdtrain.config import Config
 from hvdtrain.errors import UserError
 from hvdtrain.observe.metrics import FILE_NAME
+from hvdtrain.models.ties import tie_aliases
 
 log = logging.getLogger(__name__)
 
@@ -101,12 +102,12 @@ class TrainingState:
     """With pipeline stages (`layout` given) `model` is this worker's stage, under the whole
     model's parameter names: each stage reads and writes its own part of a checkpoint, so no
     weight passes through rank 0, and a checkpoint of any layout loads into any other.
-    `aliases`: the whole model's tied parameter names (checkpoint.tie_aliases)."""
+    `aliases`: the whole model's tied parameter names (tie_aliases)."""
 
     def __init__(self, model, optimizer, scaler, world, cfg: Config, layout=None, aliases=None):
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.world, self.cfg, self.layout = world, cfg, layout
-        self.aliases = aliases if aliases is not None else checkpoint.tie_aliases(model)
+        self.aliases = aliases if aliases is not None else tie_aliases(model)
         self.step = 0
         self.position = 0
 

@@ -1,4 +1,7 @@
 """BERT in transformers (BertForMaskedLM): building it, its blocks, its head, its stages."""
+from functools import partial
+from typing import Callable
+
 import torch
 
 from hvdtrain.config import ModelConfig
@@ -6,8 +9,9 @@ from hvdtrain.models import StageParts
 from hvdtrain.models.common import IGNORE_INDEX
 
 
-def build(cfg: ModelConfig, vocab, rows: int, positions: int, d_ff: int) -> torch.nn.Module:
-    """A new BertForMaskedLM of `cfg`'s shape, with `rows` embedding rows."""
+def model_maker(cfg: ModelConfig, vocab, rows: int, positions: int, d_ff: int) -> Callable[[], torch.nn.Module]:
+    """What builds a new BertForMaskedLM of `cfg`'s shape, with `rows` embedding rows (called by
+    hvdtrain.models.model_build with the parameters on the meta device)."""
     from transformers import BertConfig, BertForMaskedLM
 
     config = BertConfig(vocab_size=rows, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layer,
@@ -15,7 +19,7 @@ def build(cfg: ModelConfig, vocab, rows: int, positions: int, d_ff: int) -> torc
                         attention_probs_dropout_prob=cfg.dropout, max_position_embeddings=positions,
                         pad_token_id=vocab.pad_id)
     config._attn_implementation = "sdpa"
-    return BertForMaskedLM(config)
+    return partial(BertForMaskedLM, config)
 
 
 def blocks(model) -> torch.nn.ModuleList:

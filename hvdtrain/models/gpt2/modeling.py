@@ -1,12 +1,16 @@
 """GPT-2 in transformers (GPT2LMHeadModel): building it, its blocks, its head, its stages."""
+from functools import partial
+from typing import Callable
+
 import torch
 
 from hvdtrain.config import ModelConfig
 from hvdtrain.models import StageParts
 
 
-def build(cfg: ModelConfig, vocab, rows: int, positions: int, d_ff: int) -> torch.nn.Module:
-    """A new GPT2LMHeadModel of `cfg`'s shape, with `rows` embedding rows."""
+def model_maker(cfg: ModelConfig, vocab, rows: int, positions: int, d_ff: int) -> Callable[[], torch.nn.Module]:
+    """What builds a new GPT2LMHeadModel of `cfg`'s shape, with `rows` embedding rows (called by
+    hvdtrain.models.model_build with the parameters on the meta device)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(vocab_size=rows, n_positions=positions, n_embd=cfg.d_model, n_layer=cfg.n_layer,
@@ -16,7 +20,7 @@ def build(cfg: ModelConfig, vocab, rows: int, positions: int, d_ff: int) -> torc
                         # runs as several small ops and keeps their outputs for backward
                         activation_function="gelu_pytorch_tanh")
     config._attn_implementation = "sdpa"
-    return GPT2LMHeadModel(config)
+    return partial(GPT2LMHeadModel, config)
 
 
 def blocks(model) -> torch.nn.ModuleList:

@@ -1,0 +1,240 @@
+"""Pipeline ranks build and load only their own stage (hvdtrain.models.model_build): the model's
+parameters start on the meta device, a rank makes only its stage's real, and that costs it
+about its share of the host memory; its initial weights are the unsplit model's, whatever the
+layout; model.pretrained is read per stage from (sharded) safetensors files."""
+import json
+import re
+import sys
+
+import pytest
+import safetensors
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+from helpers import WORKERS, horovodrun, load_params, run_cmd, write_config
+from hvdtrain.parallel import pipeline
+from hvdtrain.config import ModelConfig
+from hvdtrain.errors import UserError
+from hvdtrain.models.common import Vocab, build_model, model_blueprint
+
+VOCAB = Vocab(size=100, pad_id=0)
+SEQ = 16
+
+
+def tiny(arch: str, n_layer: int = 4, **kw) -> ModelConfig:
+    return ModelConfig(arch=arch, n_layer=n_layer, n_head=2, d_model=32, dropout=0.0, **kw)
+
+
+def build_stage(cfg: ModelConfig, layout: pipeline.Layout, bounds: list[int], seed: int = 3):
+    """One rank's stage, built as train.build_model_and_optimizer builds it."""
+    torch.manual_seed(seed)
+    blueprint = model_blueprint(cfg, VOCAB, SEQ)
+    return blueprint.materialise(pipeline.split_model(blueprint.model, layout, bounds))
+
+
+def assert_equal_tensors(reference: dict, part: dict):
+    assert set(part) <= set(reference), set(part) - set(reference)
+    for name, value in part.items():  # the same computation on every layout: bit for bit
+        assert torch.equal(value, reference[name]), name
+
+
+# ---------------------------------------------------------------- in one process
+
+LAYOUTS = [  # (stages, stages per rank, layer boundaries or None)
+    (2, 1, None), (4, 1, None), (2, 2, None), (2, 1, [0, 1, 4]), (3, 1, [0, 0, 3, 4])]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+@pytest.mark.parametrize("stages,per_rank,boundaries", LAYOUTS)
+def test_every_layout_starts_from_the_unsplit_model_s_weights_and_buffers(arch, stages, per_rank, boundaries):
+    torch.manual_seed(3)
+    whole = build_model(tiny(arch), VOCAB, SEQ)
+    reference = {**whole.state_dict(), **dict(whole.named_buffers())}
+    bounds = pipeline.stage_bounds(4, stages, per_rank, boundaries)
+    held = set()
+    for s in range(stages):
+        stage = build_stage(tiny(arch), pipeline.Layout(stages, 1, s, 0, per_rank), bounds)
+        assert not any(t.is_meta for t in [*stage.parameters(), *stage.buffers()])
+        # The tied halves the pipeline keeps equal are the stage's real parameters.
+        assert len(stage.tied) == (s in (0, stages - 1)) and all(p in set(stage.parameters())
+                                                                 for p in stage.tied.values())
+        assert_equal_tensors(reference, {**stage.state_dict(), **dict(stage.named_buffers())})
+        held |= set(stage.state_dict())
+    assert held == set(whole.state_dict())
+
+
+def test_the_buffers_are_the_modules_own_not_empty_memory():
+    """BERT's position ids (non-persistent) are what its constructor computes."""
+    stage = build_stage(tiny("bert"), pipeline.Layout(2, 1, 0, 0), [0, 2, 4])
+    positions = stage.bert.embeddings.position_ids
+    assert torch.equal(positions, torch.arange(positions.shape[-1]).expand(1, -1))
+    assert not stage.bert.embeddings.token_type_ids.any()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+def test_the_initialisation_is_transformers_own_per_module(arch):
+    """Each weight has the distribution transformers gives it (GPT-2's scaled residual
+    projections included), the seed decides the values, and a tie stays one tensor."""
+    cfg = ModelConfig(arch=arch, n_layer=2, n_head=4, d_model=256, dropout=0.0)
+    torch.manual_seed(0)
+    ours = build_model(cfg, VOCAB, SEQ)
+    torch.manual_seed(0)
+    theirs = type(ours)(ours.config)  # transformers' own initialisation, in one pass
+    for name, p in ours.named_parameters():
+        q = dict(theirs.named_parameters())[name]
+        assert p.mean().item() == pytest.approx(q.mean().item(), abs=3e-3), name
+        assert p.std().item() == pytest.approx(q.std().item(), rel=0.05, abs=1e-6), name
+    assert ours.get_output_embeddings().weight is ours.get_input_embeddings().weight
+    torch.manual_seed(1)
+    assert not torch.equal(build_model(cfg, VOCAB, SEQ).get_input_embeddings().weight,
+                           ours.get_input_embeddings().weight)
+
+
+def save_sharded(folder, arch: str, body_only: bool = False):
+    """A tiny model saved by transformers in several safetensors files with their index;
+    `body_only`: its GPT2Model alone, whose names lack "transformer." (as the hub's gpt2)."""
+    torch.manual_seed(5)
+    cfg = tiny(arch)
+    model = build_model(cfg, VOCAB, SEQ)
+    # Other weights than hvdtrain's initialisation gives, so that a load that failed shows.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    (model.transformer if body_only else model).save_pretrained(folder, safe_serialization=True,
+                                                                max_shard_size="20KB")
+    assert (folder / "model.safetensors.index.json").is_file() and len(list(folder.glob("*.safetensors"))) > 2
+    return folder
+
+
+class ReadNames:
+    """safetensors.safe_open, recording the names each rank reads with get_tensor."""
+
+    def __init__(self, monkeypatch):
+        self.names = []
+        real = safetensors.safe_open
+        log = self.names
+
+        class Recording:
+            def __init__(self, *args, **kw):
+                self.file = real(*args, **kw)
+
+            def __enter__(self):
+                self.file.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return self.file.__exit__(*exc)
+
+            def keys(self):
+                return self.file.keys()
+
+            def get_tensor(self, name):
+                log.append(name)
+                return self.file.get_tensor(name)
+
+        monkeypatch.setattr(safetensors, "safe_open", Recording)
+
+
+@pytest.mark.parametrize("arch,body_only", [("gpt2", False), ("gpt2", True), ("bert", False)])
+def test_a_sharded_pretrained_folder_loads_per_stage_reading_only_the_stage_s_tensors(tmp_path, arch, body_only,
+                                                                                         monkeypatch):
+    folder = save_sharded(tmp_path / "model", arch, body_only)
+    auto = AutoModelForCausalLM if arch == "gpt2" else AutoModelForMaskedLM
+    reference = auto.from_pretrained(folder, use_safetensors=True).state_dict()
+    saved = set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"])
+    cfg = tiny(arch, pretrained=str(folder))
+    read = ReadNames(monkeypatch)
+    for s in range(2):
+        read.names.clear()
+        stage = build_stage(cfg, pipeline.Layout(2, 1, s, 0), [0, 2, 4])
+        assert_equal_tensors(reference, stage.state_dict())
+        layers = {m.group(1) for n in read.names if (m := re.search(r"(?:^|\.)(?:h|layer)\.(\d+)\.", n))}
+        assert layers == ({"0", "1"} if s == 0 else {"2", "3"}), read.names  # never another stage's layers
+        assert len(set(read.names)) < len(saved)
+    whole = build_model(cfg, VOCAB, SEQ)  # the unsplit model through the same reader
+    assert_equal_tensors(reference, whole.state_dict())
+    assert whole.get_output_embeddings().weight is whole.get_input_embeddings().weight
+
+
+def test_a_pretrained_folder_without_a_stage_s_tensor_is_one_line(tmp_path):
+    folder = save_sharded(tmp_path / "model", "gpt2")
+    index = folder / "model.safetensors.index.json"
+    content = json.loads(index.read_text())
+    del content["weight_map"]["transformer.h.3.mlp.c_fc.weight"]
+    index.write_text(json.dumps(content))
+    with pytest.raises(UserError, match=r"model.pretrained '.*' has no tensor 'transformer.h.3.mlp.c_fc.weight'"):
+        build_stage(tiny("gpt2", pretrained=str(folder)), pipeline.Layout(2, 1, 1, 0), [0, 2, 4])
+
+
+# ---------------------------------------------------------------- real workers (horovodrun, Gloo)
+
+def build_workers(np: int, config, out, *overrides, memory_only: bool = False) -> list[dict]:
+    """Each rank's build_rank{R}.json (tests/workers/build_stage.py)."""
+    proc = horovodrun(np, [WORKERS / "build_stage.py", *(["--memory-only"] if memory_only else []), config,
+                           f"out_dir={out}", *overrides])
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return [json.loads((out / f"build_rank{r}.json").read_text()) for r in range(np)]
+
+
+@pytest.mark.workers
+def test_a_rank_of_two_stages_builds_with_half_the_host_memory(tmp_path):
+    """8 layers x 1024 (404 MB of fp32 weights, the embedding of 128 rows is small): the peak
+    resident set of a rank rises by what it holds while it builds, not by the whole model."""
+    config = write_config(tmp_path / "config.yaml", {"model": {"n_layer": 8, "n_head": 8, "d_model": 1024},
+                                                     "train": {"grad_accum": 4}})
+    [one] = build_workers(1, config, tmp_path / "p1", memory_only=True)
+    two = build_workers(2, config, tmp_path / "p2", "parallel.pipeline_stages=2", memory_only=True)
+    assert one["weights"] > 400e6 and one["peak_rise"] > 0.9 * one["weights"]  # the weights dominate
+    overhead = 0.1 * one["peak_rise"]  # allocator and interpreter: not the weights
+    for rank in two:
+        assert rank["weights"] < 0.51 * one["weights"]
+        assert rank["peak_rise"] < 0.5 * one["peak_rise"] + overhead, (one, two)
+
+
+@pytest.mark.workers
+@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+def test_two_stages_start_from_the_weights_of_one_worker(tmp_path, arch):
+    config = write_config(tmp_path / "config.yaml", {"model": {"arch": arch, "n_layer": 4},
+                                                     "train": {"grad_accum": 2}})
+    build_workers(1, config, tmp_path / "p1")
+    build_workers(2, config, tmp_path / "p2", "parallel.pipeline_stages=2")
+    reference = load_params(tmp_path / "p1", 0)
+    stages = [load_params(tmp_path / "p2", r) for r in range(2)]
+    for stage in stages:
+        assert_equal_tensors(reference, stage)
+    assert set(stages[0]) | set(stages[1]) == set(reference)
+
+
+@pytest.mark.workers
+def test_two_stages_load_a_sharded_pretrained_folder_as_transformers_does(tmp_path):
+    folder = save_sharded(tmp_path / "model", "gpt2")
+    config = write_config(tmp_path / "config.yaml", {"model": {"pretrained": str(folder)}, "train": {"grad_accum": 2},
+                                                     "data": {"seq_len": SEQ}})
+    build_workers(2, config, tmp_path / "p2", "parallel.pipeline_stages=2")
+    reference = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True).state_dict()
+    for r in range(2):
+        assert_equal_tensors(reference, load_params(tmp_path / "p2", r))
+
+
+
+@pytest.mark.workers
+def test_startup_peaks_measure_each_pipeline_position_in_a_fresh_process(tmp_path):
+    """What `hvdtrain bench memory` reports: 8 layers x 512 (101 MB), each position built alone."""
+    from hvdtrain.config import load_config
+    from hvdtrain.tools.startup_memory import startup_peaks
+
+    cfg = load_config(write_config(tmp_path / "config.yaml", {"model": {"n_layer": 8, "n_head": 8, "d_model": 512}}))
+    [one] = startup_peaks(cfg, 1)
+    two = startup_peaks(cfg, 2)
+    assert one["weight_bytes"] > 100e6 and one["peak_bytes"] > 0.9 * one["weight_bytes"]
+    assert [r["stage"] for r in two] == [0, 1]
+    for row in two:
+        assert row["weight_bytes"] < 0.51 * one["weight_bytes"]
+        assert row["peak_bytes"] < 0.5 * one["peak_bytes"] + 0.1 * one["peak_bytes"], (one, two)
+
+
+def test_startup_memory_refuses_bad_stage_counts_in_one_line(tmp_path):
+    proc = run_cmd([sys.executable, "-m", "hvdtrain.tools.startup_memory", write_config(tmp_path / "c.yaml"),
+                    "--stages", "1,two"])
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "hvdtrain: error: --stages '1,two': expected stage counts separated by commas, e.g. 1,2,4"], proc.stderr

@@ -1,0 +1,46 @@
+"""Test worker: build this rank's model as `hvdtrain train` does (train.build_model_and_optimizer:
+the whole model, or its pipeline stage), then write OUT_DIR/build_rank{R}.json with the rise of
+the process's peak resident set while building (model_build.PeakRise) and the bytes of what it
+built, and (unless the first argument is `--memory-only`) the built weights as
+OUT_DIR/params_rank{R}.safetensors.
+
+    build_stage.py [--memory-only] CONFIG KEY=VALUE..."""
+import json
+import sys
+from pathlib import Path
+
+import transformers
+from safetensors.torch import save_file
+
+from hvdtrain.parallel import distributed, pipeline
+from hvdtrain.config import load_config, resolve_batch
+from hvdtrain.models.model_build import PeakRise
+from hvdtrain.training.train import build_model_and_optimizer, check_data
+
+memory_only = sys.argv[1] == "--memory-only"
+args = sys.argv[2:] if memory_only else sys.argv[1:]
+cfg = load_config(args[0], args[1:])
+world = distributed.init(cfg)
+par = cfg.parallel
+grad_accum, global_batch = resolve_batch(cfg, world.size)
+layout = groups = None
+shards = world.size
+if par.pipeline_stages > 1:
+    layout = pipeline.layout_for(world.rank, world.size, par.pipeline_stages, par.stages_per_rank)
+    groups = pipeline.open_groups(layout, "gloo")
+    shards = layout.dp
+data = check_data(cfg, world, shards, global_batch, grad_accum)
+transformers.GPT2LMHeadModel, transformers.BertForMaskedLM  # noqa: B018 (imported now, not while measured)
+
+with PeakRise() as peak:
+    model = build_model_and_optimizer(cfg, data, world.device, grad_accum, shards, layout, groups)[0]
+
+out = Path(cfg.out_dir)
+out.mkdir(parents=True, exist_ok=True)
+state = model.state_dict()
+weights = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in state.values()}.values())  # tied: once
+(out / f"build_rank{world.rank}.json").write_text(json.dumps({"peak_rise": peak.rise, "weights": weights}))
+if not memory_only:  # clones: safetensors refuses the two names of one tied tensor
+    save_file({k: v.detach().clone() for k, v in state.items()}, str(out / f"params_rank{world.rank}.safetensors"))
+if groups is not None:
+    groups.close()
