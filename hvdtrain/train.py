@@ -294,9 +294,9 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
     gc.collect()
     gc.freeze()
     gc.disable()
-    # A stalled worker ends the job instead of leaving the others waiting for ever. In an elastic
-    # job Horovod's driver deals with lost workers (Gloo's timeout starts a reset).
-    watchdog = StallWatchdog(cfg.horovod.stall_timeout_s if commit is None else 0, world.rank, state.step)
+    # A stalled worker ends the job instead of leaving the others waiting for ever; in an elastic
+    # job it leaves, and the others go on without it.
+    watchdog = StallWatchdog(cfg.horovod.stall_timeout_s, world.rank, state.step, elastic=commit is not None)
     try:
         if state.step == 0:  # the baseline every later evaluation is compared with
             result = evaluate(model, eval_loader, device, autocast, pipe)
