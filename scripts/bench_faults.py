@@ -361,6 +361,8 @@ class Campaign:
                 break
             self.kill_workers("one")
             self.injected["elastic-kill"] += 1
+            self.log.write(f"--- elastic-kill {self.injected['elastic-kill']} at step {step_reached(self.out)}\n")
+            self.log.flush()  # a campaign stopped early still shows how far it went
         code = self.finish(proc, timeout=600)
         self.relaunches = 0
         return code
