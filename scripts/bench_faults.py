@@ -218,31 +218,46 @@ class Campaign:
                 pass
         return hit
 
-    def rewrite_due(self) -> bool:
-        """Whether a launch resumed from the checkpoint before the newest would write the newest
-        one's step again (one written on a preemption is at a step the run does not write)."""
+    def rewrite_target(self) -> int | None:
+        """Where a launch that rewrites a checkpoint can resume: the index in `checkpoints` of the
+        one before the newest checkpoint at a step the run writes (a multiple of checkpoint.every;
+        one written on a preemption is not)."""
         found = checkpoints(self.out)
-        return len(found) >= 2 and step_of(found[-1]) % CHECKPOINT_EVERY == 0
+        return next((i - 1 for i in range(len(found) - 1, 0, -1) if step_of(found[i]) % CHECKPOINT_EVERY == 0), None)
 
-    def kill_in_rewrite(self) -> tuple[subprocess.Popen, bool]:
-        """A launch that resumes from the checkpoint before the newest and rewrites the newest
-        one's step, killed between the rewrite's renames; whether the kill landed there."""
+    def kill_in_rewrite(self, resume: int) -> tuple[subprocess.Popen, bool]:
+        """A launch that resumes from checkpoint `resume` and rewrites the step of the next one,
+        killed between the rewrite's renames; whether the kill landed there. The newer
+        checkpoints are hidden until the launch has said where it resumes."""
         found = checkpoints(self.out)
-        newest = found[-1]
-        hidden = newest.with_name("hidden-" + newest.name)  # not a checkpoint's name: not resumed from
-        newest.rename(hidden)
+        rewritten, newer = found[resume + 1], found[resume + 1:]
+        hidden = [c.with_name("hidden-" + c.name) for c in newer]  # not a checkpoint's name: not resumed from
+        for c, h in zip(newer, hidden):
+            c.rename(h)
+        said_from = self.log.tell()
         try:
             proc = self.start({"HVDTRAIN_TEST_CHECKPOINT_PAUSE": "swap:2"})
-            took_a_step = self.wait_for_step(proc, step_of(found[-2]) + 1)
+            resumed = self.wait_for_output(proc, "resuming at step", said_from)
         finally:
-            hidden.rename(newest)
-        if not took_a_step:
-            return proc, False
-        aside = newest.with_name(".old-" + newest.name)
+            for c, h in zip(newer, hidden):
+                h.rename(c)
+        aside = rewritten.with_name(".old-" + rewritten.name)
         deadline = time.monotonic() + 300
-        while proc.poll() is None and time.monotonic() < deadline and not (aside.is_dir() and not newest.exists()):
+        while resumed and proc.poll() is None and time.monotonic() < deadline and not aside.is_dir():
             time.sleep(0.02)
-        return proc, aside.is_dir() and not newest.exists() and self.kill_workers("all")
+        return proc, resumed and aside.is_dir() and not rewritten.exists() and self.kill_workers("all")
+
+    def wait_for_output(self, proc: subprocess.Popen, text: str, offset: int, timeout: float = 300) -> bool:
+        """Until the launch has written `text` into the launch log after `offset` (True), or ended."""
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            self.log.flush()
+            with open(self.log.name) as f:
+                f.seek(offset)
+                if text in f.read():
+                    return True
+            time.sleep(0.02)
+        return False
 
     def damage_newest(self) -> bool:
         """Truncate or flip a byte of a weights file of the newest checkpoint, when an older one remains."""
@@ -267,11 +282,12 @@ class Campaign:
             env = {"HVDTRAIN_TEST_CHECKPOINT_PAUSE": f"{point}:2"}
         if kind == "write-failure":
             fsize = 2 << 20  # metrics.jsonl and the tokenizer fit; a checkpoint's optimizer state does not
+        resume = self.rewrite_target() if kind == "kill-in-rewrite" else None
+        if kind == "kill-in-rewrite" and resume is None:
+            self.log.write(f"--- {kind}: no checkpoint to rewrite yet\n")
+            return None
         if kind == "kill-in-rewrite":
-            if not self.rewrite_due():
-                self.log.write(f"--- {kind}: no checkpoint to rewrite\n")
-                return None
-            proc, landed = self.kill_in_rewrite()  # starts its launch itself
+            proc, landed = self.kill_in_rewrite(resume)  # starts its launch itself
         else:
             proc = self.start(env, fsize)
             landed = self.land(proc, kind, point, target)
