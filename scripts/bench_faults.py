@@ -38,6 +38,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -228,7 +229,9 @@ class Campaign:
     def kill_in_rewrite(self, resume: int) -> tuple[subprocess.Popen, bool]:
         """A launch that resumes from checkpoint `resume` and rewrites the step of the next one,
         killed between the rewrite's renames; whether the kill landed there. The newer
-        checkpoints are hidden until the launch has said where it resumes."""
+        checkpoints are hidden until the launch has said where it resumes; then the one to be
+        rewritten is put back and those after it are removed (the launch has dropped their step
+        records from its run log, as a run that goes back to an earlier checkpoint does)."""
         found = checkpoints(self.out)
         rewritten, newer = found[resume + 1], found[resume + 1:]
         hidden = [c.with_name("hidden-" + c.name) for c in newer]  # not a checkpoint's name: not resumed from
@@ -239,8 +242,9 @@ class Campaign:
             proc = self.start({"HVDTRAIN_TEST_CHECKPOINT_PAUSE": "swap:2"})
             resumed = self.wait_for_output(proc, "resuming at step", said_from)
         finally:
-            for c, h in zip(newer, hidden):
-                h.rename(c)
+            hidden[0].rename(rewritten)
+            for h in hidden[1:]:
+                shutil.rmtree(h)
         aside = rewritten.with_name(".old-" + rewritten.name)
         deadline = time.monotonic() + 300
         while resumed and proc.poll() is None and time.monotonic() < deadline and not aside.is_dir():
