@@ -16,9 +16,9 @@ The faults, drawn from the seed (kind, and the step at which each lands):
   kill-in-rewrite   SIGKILL of every worker inside the rewrite of a step whose checkpoint folder is
                     there already, between its two renames (the old version moved aside, the new one
                     not yet in place). A rerun resumes from the newest checkpoint, so to redo a step
-                    that has one the campaign hides the newest checkpoint while the launch decides
-                    where to resume, and puts it back once the launch has taken a step (as when a
-                    run goes back to an earlier checkpoint, or an elastic job rolls back past one)
+                    that has one the campaign hides it (and any newer one) while the launch decides
+                    where to resume, then puts it back (as when a run goes back to an earlier
+                    checkpoint, or an elastic job rolls back past one)
   preempt           SIGTERM or SIGUSR1 to one worker: the run checkpoints and exits 75
   write-failure     the launch runs under a file-size limit smaller than a checkpoint: the write fails
   damage            between two launches the newest checkpoint is truncated or has a byte flipped
