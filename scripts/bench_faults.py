@@ -13,6 +13,12 @@ The faults, drawn from the seed (kind, and the step at which each lands):
   kill-in-write     SIGKILL of every worker inside a checkpoint write: before its manifest, or after
                     the manifest and before the rename into place (the write pauses there: the test aid
                     HVDTRAIN_TEST_CHECKPOINT_PAUSE)
+  kill-in-rewrite   SIGKILL of every worker inside the rewrite of a step whose checkpoint folder is
+                    there already, between its two renames (the old version moved aside, the new one
+                    not yet in place). A rerun resumes from the newest checkpoint, so to redo a step
+                    that has one the campaign hides it (and any newer one) while the launch decides
+                    where to resume, then puts it back (as when a run goes back to an earlier
+                    checkpoint, or an elastic job rolls back past one)
   preempt           SIGTERM or SIGUSR1 to one worker: the run checkpoints and exits 75
   write-failure     the launch runs under a file-size limit smaller than a checkpoint: the write fails
   damage            between two launches the newest checkpoint is truncated or has a byte flipped
@@ -32,6 +38,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,15 +52,17 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "gpt-tiny.yaml"
 HVDTRAIN = Path(sys.executable).parent / "hvdtrain"
-KINDS = {"plain": ["kill-worker", "kill-all", "kill-launcher", "kill-in-write", "preempt", "write-failure", "damage"],
+KINDS = {"plain": ["kill-worker", "kill-all", "kill-launcher", "kill-in-write", "kill-in-rewrite", "preempt",
+                   "write-failure", "damage"],
          "elastic": ["elastic-kill"]}
 KINDS["pipeline"] = KINDS["plain"]
+CHECKPOINT_EVERY = 4
 ORPHAN_GRACE_S = 15  # how long the workers of a killed launcher may take to stop
 
 
 def run_overrides(out: Path, steps: int, layout: str) -> list[str]:
     """The campaign's run: gpt-tiny, one record per step, a checkpoint every 4 steps."""
-    over = [f"out_dir={out}", f"train.max_steps={steps}", "train.warmup_steps=4", "checkpoint.every=4",
+    over = [f"out_dir={out}", f"train.max_steps={steps}", "train.warmup_steps=4", f"checkpoint.every={CHECKPOINT_EVERY}",
             "checkpoint.keep=3", "log.every=1", "log.progress=false", "eval.every=0", "eval.batches=2"]
     if layout == "pipeline":
         over.append("parallel.pipeline_stages=2")
@@ -116,6 +125,10 @@ def step_reached(out: Path, before: set[str] = frozenset()) -> int:
 def checkpoints(out: Path) -> list[Path]:
     root = out / "checkpoints"
     return sorted(root.glob("step_*")) if root.is_dir() else []
+
+
+def step_of(path: Path) -> int:
+    return json.loads((path / "state.json").read_text())["step"]
 
 
 class Campaign:
@@ -206,6 +219,50 @@ class Campaign:
                 pass
         return hit
 
+    def rewrite_target(self) -> int | None:
+        """Where a launch that rewrites a checkpoint can resume: the index in `checkpoints` of the
+        one before the newest checkpoint at a step the run writes (a multiple of checkpoint.every;
+        one written on a preemption is not)."""
+        found = checkpoints(self.out)
+        return next((i - 1 for i in range(len(found) - 1, 0, -1) if step_of(found[i]) % CHECKPOINT_EVERY == 0), None)
+
+    def kill_in_rewrite(self, resume: int) -> tuple[subprocess.Popen, bool]:
+        """A launch that resumes from checkpoint `resume` and rewrites the step of the next one,
+        killed between the rewrite's renames; whether the kill landed there. The newer
+        checkpoints are hidden until the launch has said where it resumes; then the one to be
+        rewritten is put back and those after it are removed (the launch has dropped their step
+        records from its run log, as a run that goes back to an earlier checkpoint does)."""
+        found = checkpoints(self.out)
+        rewritten, newer = found[resume + 1], found[resume + 1:]
+        hidden = [c.with_name("hidden-" + c.name) for c in newer]  # not a checkpoint's name: not resumed from
+        for c, h in zip(newer, hidden):
+            c.rename(h)
+        said_from = self.log.tell()
+        try:
+            proc = self.start({"HVDTRAIN_TEST_CHECKPOINT_PAUSE": "swap:2"})
+            resumed = self.wait_for_output(proc, "resuming at step", said_from)
+        finally:
+            hidden[0].rename(rewritten)
+            for h in hidden[1:]:
+                shutil.rmtree(h)
+        aside = rewritten.with_name(".old-" + rewritten.name)
+        deadline = time.monotonic() + 300
+        while resumed and proc.poll() is None and time.monotonic() < deadline and not aside.is_dir():
+            time.sleep(0.02)
+        return proc, resumed and aside.is_dir() and not rewritten.exists() and self.kill_workers("all")
+
+    def wait_for_output(self, proc: subprocess.Popen, text: str, offset: int, timeout: float = 300) -> bool:
+        """Until the launch has written `text` into the launch log after `offset` (True), or ended."""
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            self.log.flush()
+            with open(self.log.name) as f:
+                f.seek(offset)
+                if text in f.read():
+                    return True
+            time.sleep(0.02)
+        return False
+
     def damage_newest(self) -> bool:
         """Truncate or flip a byte of a weights file of the newest checkpoint, when an older one remains."""
         found = checkpoints(self.out)
@@ -229,21 +286,15 @@ class Campaign:
             env = {"HVDTRAIN_TEST_CHECKPOINT_PAUSE": f"{point}:2"}
         if kind == "write-failure":
             fsize = 2 << 20  # metrics.jsonl and the tokenizer fit; a checkpoint's optimizer state does not
-        proc = self.start(env, fsize)
-        if kind == "kill-in-write":
-            landed = self.wait_for_write(proc, point) and self.kill_workers("all")
-        elif kind == "write-failure":
-            landed = True  # the first checkpoint write fails
-        elif not self.wait_for_step(proc, target):
-            landed = False
-        elif kind == "kill-launcher":
-            os.kill(proc.pid, signal.SIGKILL)
-            landed = True
-            self.check_orphans()
-        elif kind == "preempt":
-            landed = self.kill_workers(self.rng.choice([signal.SIGTERM, signal.SIGUSR1]))
+        resume = self.rewrite_target() if kind == "kill-in-rewrite" else None
+        if kind == "kill-in-rewrite" and resume is None:
+            self.log.write(f"--- {kind}: no checkpoint to rewrite yet\n")
+            return None
+        if kind == "kill-in-rewrite":
+            proc, landed = self.kill_in_rewrite(resume)  # starts its launch itself
         else:
-            landed = self.kill_workers("one" if kind == "kill-worker" else "all")
+            proc = self.start(env, fsize)
+            landed = self.land(proc, kind, point, target)
         code = self.finish(proc)
         self.log.write(f"--- {kind}: exit {code}\n")
         reached = step_reached(self.out)
@@ -259,6 +310,23 @@ class Campaign:
             self.findings.append(f"a launch hit by {kind} exited 0")
         self.recomputed += max(0, reached - self.resumed_at())
         return code
+
+    def land(self, proc: subprocess.Popen, kind: str, point: str, target: int) -> bool:
+        """Inject a fault of `kind` into the launch `proc` (in a write pausing at `point`, or at
+        step `target`); whether it landed before the launch ended."""
+        if kind == "kill-in-write":
+            return self.wait_for_write(proc, point) and self.kill_workers("all")
+        if kind == "write-failure":
+            return True  # the first checkpoint write fails
+        if not self.wait_for_step(proc, target):
+            return False
+        if kind == "kill-launcher":
+            os.kill(proc.pid, signal.SIGKILL)
+            self.check_orphans()
+            return True
+        if kind == "preempt":
+            return self.kill_workers(self.rng.choice([signal.SIGTERM, signal.SIGUSR1]))
+        return self.kill_workers("one" if kind == "kill-worker" else "all")
 
     def check_orphans(self):
         """The launcher is gone: its workers must stop by themselves."""
@@ -313,6 +381,8 @@ class Campaign:
                 break
             self.kill_workers("one")
             self.injected["elastic-kill"] += 1
+            self.log.write(f"--- elastic-kill {self.injected['elastic-kill']} at step {step_reached(self.out)}\n")
+            self.log.flush()  # a campaign stopped early still shows how far it went
         code = self.finish(proc, timeout=600)
         self.relaunches = 0
         return code

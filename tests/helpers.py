@@ -116,6 +116,12 @@ def step_losses(out_dir: Path) -> dict[int, float]:
     return out
 
 
+def steps_logged(out_dir: Path) -> int:
+    """The training steps a run (still going, maybe) has logged so far (log.every=1)."""
+    metrics = Path(out_dir) / "metrics.jsonl"
+    return metrics.read_text().count('"tokens_per_s"') if metrics.exists() else 0
+
+
 def load_params(out_dir: Path, rank: int) -> dict:
     from safetensors.torch import load_file
     return load_file(str(Path(out_dir) / f"params_rank{rank}.safetensors"))

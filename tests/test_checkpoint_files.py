@@ -47,22 +47,43 @@ def test_round_trip_by_parameter_name(tmp_path):
     assert checkpoint.read_rngs(path, 1)[0].keys() == rng.capture().keys()
 
 
+def crashed(out_dir, model, optimizer):
+    """What a crash between the renames of a rewrite of step 4 leaves: .old-step_4 (the old
+    version) and .tmp-step_4 (the new one, complete), no step_4. Both are written elsewhere and
+    moved in (a write into out_dir would recover what it finds first)."""
+    root = checkpoint.checkpoint_dir(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    write(out_dir / "old", 4, model, optimizer).rename(root / ".old-step_00000004")
+    write(out_dir / "new", 4, model, optimizer).rename(root / ".tmp-step_00000004")
+
+
 def test_crash_between_the_renames_keeps_the_complete_version(tmp_path):
     """A rewrite of step 4 renames step_4 -> .old-step_4, then .tmp-step_4 -> step_4."""
     model, optimizer = tiny_model_and_optimizer()
     root = checkpoint.checkpoint_dir(tmp_path)
     # The new version was complete when the crash came: it wins.
-    write(tmp_path, 4, model, optimizer).rename(root / ".old-step_00000004")
-    write(tmp_path, 4, model, optimizer).rename(root / ".tmp-step_00000004")
+    crashed(tmp_path, model, optimizer)
     checkpoint.recover_interrupted_writes(tmp_path)
     assert [p.name for p in root.iterdir()] == ["step_00000004"]
     assert checkpoint.find_problem(root / "step_00000004") is None
     # The new version was not complete (no manifest yet): the old one is put back.
     (root / "step_00000004").rename(root / ".old-step_00000004")
-    incomplete = write(tmp_path, 4, model, optimizer)
+    incomplete = write(tmp_path / "elsewhere", 4, model, optimizer)
     (incomplete / "manifest.json").unlink()
     incomplete.rename(root / ".tmp-step_00000004")
     checkpoint.recover_interrupted_writes(tmp_path)
+    assert [p.name for p in root.iterdir()] == ["step_00000004"]
+    assert checkpoint.find_problem(root / "step_00000004") is None
+
+
+def test_a_step_written_again_after_a_crash_between_its_renames_leaves_nothing_behind(tmp_path):
+    """An elastic job's rank 0 killed between the renames of a rewrite of step 4: the new rank 0
+    redoes the steps since the last commit and writes step 4 again, without a relaunch (which
+    recovers first). The write recovers itself: no `.old-`/`.tmp-` folder was left for ever."""
+    model, optimizer = tiny_model_and_optimizer()
+    root = checkpoint.checkpoint_dir(tmp_path)
+    crashed(tmp_path, model, optimizer)
+    write(tmp_path, 4, model, optimizer)
     assert [p.name for p in root.iterdir()] == ["step_00000004"]
     assert checkpoint.find_problem(root / "step_00000004") is None
 

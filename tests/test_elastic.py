@@ -3,6 +3,7 @@ of its own in the discovery output (`localhost` and `127.0.0.1`, as Horovod blac
 A lost worker or an added one does not stop the run, and the losses and parameters equal a
 one-worker run with the same global batch (the last record of a redone step wins)."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -10,9 +11,12 @@ import time
 
 import pytest
 
-from helpers import (BIN, OFFLINE, REPO, WORKERS, assert_same_losses, assert_same_params, discovery, hvdtrain,
-                     load_params, read_metrics, run_cmd, step_losses, train_workers)
+import psutil
+
+from helpers import (BIN, REPO, WORKERS, assert_same_losses, assert_same_params, discovery, hvdtrain,
+                     load_params, read_metrics, run_cmd, start_cmd, step_losses, steps_logged, train_workers)
 from hvdtrain.checkpointing import checkpoint
+from hvdtrain.launching.relay import LEAVING
 from hvdtrain.observe.metrics import FILE_NAME, read_records
 
 pytestmark = pytest.mark.workers
@@ -27,6 +31,15 @@ def elastic_run(np: int, tmp_path, config, out, env: dict, *overrides, min_np=1,
     proc = run_cmd(cmd, env=env, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def start_elastic_launch(tmp_path, config, out, *options) -> subprocess.Popen:
+    """`hvdtrain launch --elastic` of 2 workers (one on each discovered host; down to 1 unless
+    `options` say otherwise), started."""
+    return start_cmd([BIN / "hvdtrain", "launch", "-np", "2", "--elastic", "--min-np", "1", "--max-np", "2",
+                      "--host-discovery-script",
+                      discovery(tmp_path, ["localhost:1", "127.0.0.1:1"]), "--network-interface", "lo", *options,
+                      config, f"out_dir={out}"])
 
 
 def events(out) -> list[dict]:
@@ -157,16 +170,12 @@ def test_below_min_np_too_long_stops_clearly_and_the_checkpoint_resumes(tmp_path
     config = tiny_config({**ELASTIC, "train": {**ELASTIC["train"], "max_steps": 40, "slow_ranks": [0, 1],
                                                "slow_seconds": 0.2}, "checkpoint": {"every": 2}})
     out = tmp_path / "run"
-    cmd = [BIN / "hvdtrain", "launch", "-np", "2", "--elastic", "--min-np", "2", "--max-np", "2",
-           "--host-discovery-script", discovery(tmp_path, ["localhost:1", "127.0.0.1:1"]), "--elastic-timeout", "5",
-           "--network-interface", "lo", config, f"out_dir={out}"]
-    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=REPO, env=dict(os.environ, **OFFLINE))
+    proc = start_elastic_launch(tmp_path, config, out, "--min-np", "2", "--elastic-timeout", "5")
     deadline = time.time() + 120
     while time.time() < deadline and not checkpoint.list_checkpoints(out):
         time.sleep(0.5)
     assert checkpoint.list_checkpoints(out), "no checkpoint within 2 minutes"
-    kill_worker_on_host(out, "127.0.0.1")
+    signal_worker_on_host(out, "127.0.0.1", signal.SIGKILL)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode != 0
     assert "fewer than --min-np 2 workers for longer than --elastic-timeout (5 s)" in stderr, stderr[-3000:]
@@ -180,8 +189,9 @@ def test_below_min_np_too_long_stops_clearly_and_the_checkpoint_resumes(tmp_path
     assert checkpoint.newest_intact_checkpoint(out).name == "step_00000040"
 
 
-def kill_worker_on_host(out_dir, host: str):
-    """SIGKILL the worker of this run that horovodrun started for `host` (HOROVOD_HOSTNAME)."""
+def signal_worker_on_host(out_dir, host: str, signum: int) -> int:
+    """Send `signum` to the worker of this run that horovodrun started for `host`
+    (HOROVOD_HOSTNAME); its pid."""
     for pid in os.listdir("/proc"):
         try:
             cmdline = open(f"/proc/{pid}/cmdline", "rb").read().decode()
@@ -189,6 +199,61 @@ def kill_worker_on_host(out_dir, host: str):
         except (OSError, ValueError):
             continue
         if f"out_dir={out_dir}" in cmdline and "hvdtrain.cli\0train" in cmdline and f"HOROVOD_HOSTNAME={host}" in environ:
-            os.kill(int(pid), signal.SIGKILL)
-            return
+            os.kill(int(pid), signum)
+            return int(pid)
     raise AssertionError(f"no worker on {host} found")
+
+
+# ---------------------------------------------------------------- stalled workers
+
+STALL_TIMEOUT = 4  # seconds: a tiny step takes milliseconds
+
+
+def test_a_stopped_worker_is_named_and_removed_and_the_other_finishes(tmp_path, tiny_config):
+    """SIGSTOP to the worker on 127.0.0.1 mid-run: once it has been stopped for the stall
+    timeout, its stop sentinel names it (rank and host) in one line and ends it; Horovod's
+    driver blacklists the host, and the other worker resets to its last commit and finishes
+    alone. (Before, an elastic job had no stall watchdog: the other worker waited for ever.)"""
+    config = tiny_config({**ELASTIC, "train": {**ELASTIC["train"], "max_steps": 30, "slow_ranks": [0, 1],
+                                               "slow_seconds": 0.1}, "horovod": {"stall_timeout_s": STALL_TIMEOUT}})
+    out = tmp_path / "run"
+    launch = start_elastic_launch(tmp_path, config, out)
+    stopped = None
+    try:
+        deadline = time.monotonic() + 120
+        while steps_logged(out) < 4:
+            assert launch.poll() is None and time.monotonic() < deadline, launch.communicate()
+            time.sleep(0.2)
+        stopped = signal_worker_on_host(out, "127.0.0.1", signal.SIGSTOP)
+        stdout, stderr = launch.communicate(timeout=180)
+    finally:
+        launch.kill()
+        if stopped is not None and psutil.pid_exists(stopped):
+            os.kill(stopped, signal.SIGKILL)
+    assert launch.returncode == 0, stderr[-3000:]
+    [line] = [line for line in stderr.splitlines() if LEAVING in line]
+    assert re.search(rf"{LEAVING}rank [01] on host 127\.0\.0\.1 is stopped: it did not run for [4-9] s "
+                     rf"\(horovod\.stall_timeout_s={STALL_TIMEOUT}\); ended, the others go on without it$", line), line
+    [reset] = events(out)
+    assert (reset["old_world_size"], reset["world_size"]) == (2, 1)
+    assert sorted(step_losses(out)) == list(range(1, 31))
+    assert checkpoint.newest_intact_checkpoint(out).name == "step_00000030"
+
+
+def test_a_stuck_worker_says_where_and_leaves_and_the_other_finishes_like_a_single_worker(tmp_path, one_worker):
+    """train.slow_ranks makes rank 1 sleep in its first step (3x the stall timeout): its watchdog
+    says where it is stuck, naming its rank and host, and it exits; rank 0, which waited for it
+    in a collective, goes on waiting until Horovod resets it, and finishes alone."""
+    config, reference = one_worker
+    out = tmp_path / "run"
+    proc = elastic_run(2, tmp_path, config, out, {}, "train.slow_ranks=[1]", "train.slow_seconds=600",
+                       f"horovod.stall_timeout_s={STALL_TIMEOUT}")
+    said = [line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if LEAVING in line]
+    assert len(said) == 1, proc.stderr[-3000:]
+    assert re.search(rf"{LEAVING}rank 1 on host \S+ is stuck: no step finished in {3 * STALL_TIMEOUT} s after step 0 "
+                     rf"\(horovod\.stall_timeout_s={STALL_TIMEOUT}\); in run_steps \(hvdtrain/train\.py:\d+\)$",
+                     said[0]), said[0]
+    [reset] = events(out)
+    assert (reset["old_world_size"], reset["world_size"], reset["step"]) == (2, 1, 0)
+    assert_same_losses(step_losses(reference), step_losses(out), min_steps=STEPS)
+    assert_same_params(load_params(reference, 0), load_params(out, 0), atol=1e-5)

@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from helpers import (BIN, WORKERS, assert_same_losses, assert_same_params, horovodrun, hvdtrain, load_params,
-                     read_metrics, start_cmd, step_losses, train_workers)
+                     read_metrics, start_cmd, step_losses, steps_logged, train_workers)
 from hvdtrain.checkpointing import checkpoint
 
 pytestmark = pytest.mark.workers
@@ -111,11 +111,6 @@ def worker_pid(rank: int, out_dir) -> int:
                 env.get("HOROVOD_RANK"), env.get("OMPI_COMM_WORLD_RANK")) and "hvdtrain.cli" in p.info["cmdline"]:
             return p.pid
     raise AssertionError(f"no worker of rank {rank} training into {out_dir}")
-
-
-def steps_logged(out_dir) -> int:
-    metrics = out_dir / "metrics.jsonl"
-    return metrics.read_text().count('"tokens_per_s"') if metrics.exists() else 0
 
 
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])

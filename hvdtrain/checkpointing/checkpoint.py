@@ -111,9 +111,11 @@ def part_names(index: int, count: int) -> tuple[str, str]:
 
 def begin_checkpoint(out_dir, step: int) -> Path:
     """The empty temporary folder the writers of step `step` write into. Called on one rank,
-    before the others write."""
+    before the others write. What an interrupted write left is recovered first: an elastic
+    job's new rank 0 writes again where a lost rank 0 was killed, with no relaunch between."""
     root = checkpoint_dir(out_dir)
     root.mkdir(parents=True, exist_ok=True)
+    recover_interrupted_writes(out_dir)
     tmp = root / f".tmp-step_{step:08d}"
     shutil.rmtree(tmp, ignore_errors=True)
     with written_whole(f"the checkpoint of step {step} in {root}", tmp):
@@ -141,7 +143,9 @@ def write_part(tmp: Path, index: int, count: int, model, optimizer) -> dict[str,
 def _test_pause(point: str):
     """Test aid for the fault campaign (scripts/bench_faults.py): HVDTRAIN_TEST_CHECKPOINT_PAUSE=
     "POINT:SECONDS" sleeps at POINT of every write ("manifest": every file but the manifest written;
-    "rename": the manifest written, not yet renamed into place), so that a kill lands there."""
+    "rename": the manifest written, not yet renamed into place; "swap": a rewrite of a step between
+    its two renames, the old version moved aside, the new one not yet in place), so that a kill
+    lands there."""
     wanted, _, seconds = os.environ.get("HVDTRAIN_TEST_CHECKPOINT_PAUSE", "").partition(":")
     if wanted == point:
         time.sleep(float(seconds))
@@ -171,6 +175,7 @@ def finish_checkpoint(tmp: Path, step: int, model_config, state: dict, rngs: lis
         old = root / f".old-{final.name}"
         shutil.rmtree(old, ignore_errors=True)
         final.rename(old)
+        _test_pause("swap")
         tmp.rename(final)
         shutil.rmtree(old)
     else:

@@ -16,6 +16,13 @@ import sys
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
 
 
+def die_with_parent(signum: int, parent: int) -> bool:
+    """Arm Linux's parent-death signal: this process gets `signum` when its parent dies.
+    False when `parent` died before it was armed (this process already has another parent)."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signum)
+    return os.getppid() == parent
+
+
 def main(group: int, launcher: int):
     def stop(*_):
         try:
@@ -25,8 +32,7 @@ def main(group: int, launcher: int):
         os._exit(0)
 
     signal.signal(signal.SIGTERM, stop)
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != launcher:  # the launcher died before the signal was armed
+    if not die_with_parent(signal.SIGTERM, launcher):
         stop()
     while True:
         signal.pause()

@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 WORKER_PREFIX = re.compile(r"\[(?:\d+,)?(\d+)\]<(stdout|stderr)>:")
 USER_ERROR = "hvdtrain: error: "
 STALLED = "hvdtrain: stalled: "  # the stall watchdog's line, on every worker that is not stopped
+# An elastic job's stalled worker leaves it and the others go on: its line is passed through as
+# it comes (hvdtrain.training.run_guards.StallWatchdog, hvdtrain.training.stop_sentinel).
+LEAVING = "hvdtrain: stalled, leaving the elastic job: "
 ONE_LINERS = (USER_ERROR, "hvdtrain: stopped: ", STALLED)  # cli.main's user error; a run stopped on purpose
 STALL_LINE = re.compile(re.escape(STALLED) + r"rank \d+ is (waiting for the others|stuck): ([^;]*); (.*)")
 TRACEBACK = "Traceback (most recent call last):"

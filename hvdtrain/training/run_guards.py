@@ -19,10 +19,13 @@ gradients are reduced), so all stop at the same step.
 Stalled workers: a worker that stops taking part (stuck in I/O, a deadlock, SIGSTOP) leaves the
 others waiting in their next collective for ever; Horovod's own stall check cannot end that,
 as its coordinator waits in the same collective when a worker is stopped, and MPI never times
-out. So every worker watches itself: see StallWatchdog.
+out. So every worker watches itself: see StallWatchdog. A plain job ends, naming the stalled
+worker; an elastic job goes on without it.
 """
 import os
 import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -31,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from hvdtrain.launching.relay import STALLED  # how the watchdog's line starts: the launcher reads it
+from hvdtrain.launching.relay import LEAVING, STALLED  # how the watchdog's lines start: the launcher reads them
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: a temporary failure; run the same command again
 DIVERGED_EXIT_CODE = 3
@@ -140,17 +143,29 @@ class StallWatchdog:
     then exits with STALLED_EXIT_CODE, and the launcher ends the other workers. A stopped worker
     says nothing: `hvdtrain launch` names it as the one the others waited for (hvdtrain.launching.relay).
     The first step may take FIRST_STEP_FACTOR times as long (as torchtitan's init timeout): it
-    compiles the model and connects NCCL's communicators."""
+    compiles the model and connects NCCL's communicators.
+
+    In an elastic job (`elastic`) the stalled worker alone leaves, and the job goes on without
+    it: Horovod's driver blacklists the host of a worker that exited with an error and resets
+    the others to their last commit. So a stuck worker says `hvdtrain: stalled, leaving the
+    elastic job: rank R on host H is stuck: ...` and exits; one that waits for the others goes on
+    waiting (its collective fails once the stalled one has exited, and Horovod resets it); a
+    stopped worker is ended from outside by hvdtrain.training.stop_sentinel, which the watchdog starts."""
     FIRST_STEP_FACTOR = 3
 
-    def __init__(self, timeout_s: float, rank: int, step: int):
-        self.timeout_s, self.rank = timeout_s, rank
+    def __init__(self, timeout_s: float, rank: int, step: int, elastic: bool = False):
+        self.timeout_s, self.rank, self.elastic = timeout_s, rank, elastic
         self.first_step, self.step, self.last_progress = step, step, time.monotonic()
         self.watched = threading.get_ident()  # the training thread
         self.closed = threading.Event()
         self.thread = threading.Thread(target=self.watch, name="hvdtrain-stall-watchdog", daemon=True)
+        self.host = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+        self.sentinel = None
         if timeout_s > 0:
             self.thread.start()
+            if elastic:
+                self.sentinel = subprocess.Popen([sys.executable, "-m", "hvdtrain.training.stop_sentinel", str(timeout_s),
+                                                  str(rank), self.host])
 
     def progress(self, step: int):
         self.step, self.last_progress = step, time.monotonic()
@@ -164,28 +179,40 @@ class StallWatchdog:
             frozen, awake = now - awake - interval, now
             limit = self.timeout_s * (self.FIRST_STEP_FACTOR if self.step == self.first_step else 1)
             if now - self.last_progress > limit:
-                print(self.report(limit, frozen if frozen > self.timeout_s / 2 else 0.0), file=sys.stderr, flush=True)
-                time.sleep(2.0)  # so that every worker has said where it is before the launcher ends them
+                waiting, line = self.report(limit, frozen if frozen > self.timeout_s / 2 else 0.0)
+                if self.elastic and waiting:
+                    continue  # for the stalled worker to leave: then Horovod resets this one
+                print(line, file=sys.stderr, flush=True)
+                if not self.elastic:
+                    time.sleep(2.0)  # so that every worker has said where it is before the launcher ends them
                 os._exit(STALLED_EXIT_CODE)
 
-    def report(self, limit: float, frozen: float = 0.0) -> str:
+    def report(self, limit: float, frozen: float = 0.0) -> tuple[bool, str]:
+        """(whether the training thread waits in a collective, the line saying where it is)."""
         since = f"no step finished in {limit:g} s after step {self.step} (horovod.stall_timeout_s={self.timeout_s:g})"
+        who = f"{LEAVING}rank {self.rank} on host {self.host}" if self.elastic else f"{STALLED}rank {self.rank}"
         if frozen:
-            return f"{STALLED}rank {self.rank} is stuck: {since}; it did not run for {frozen:.0f} s (stopped, or its host suspended)"
+            return False, f"{who} is stuck: {since}; it did not run for {frozen:.0f} s (stopped, or its host suspended)"
         frame = sys._current_frames().get(self.watched)
         stack = traceback.extract_stack(frame) if frame is not None else []
         collective = tuple(filter(None, map(_package_folder, COLLECTIVE_PACKAGES)))
-        waits = [f for f in stack if collective and f.filename.startswith(collective)]
-        ours = [f for f in stack if f.filename.startswith(_package_folder("hvdtrain"))]
-        caller = _where(ours[-1] if ours else stack[-1] if stack else None)
+        ours = [i for i, f in enumerate(stack) if f.filename.startswith(_package_folder("hvdtrain"))]
+        # What hvdtrain's innermost frame called: an elastic job's whole loop runs inside
+        # Horovod's hvd.elastic.run, which waits for nobody.
+        called = stack[ours[-1] + 1:] if ours else stack
+        waits = [f for f in called if collective and f.filename.startswith(collective)]
+        caller = _where(stack[ours[-1]] if ours else stack[-1] if stack else None)
         if waits:
-            return f"{STALLED}rank {self.rank} is waiting for the others: {since}; in {waits[0].name}, called from {caller}"
+            return True, f"{who} is waiting for the others: {since}; in {waits[0].name}, called from {caller}"
         inner = _where(stack[-1] if stack else None)
         where = inner if inner == caller else f"{inner}, called from {caller}"
-        return f"{STALLED}rank {self.rank} is stuck: {since}; in {where}"
+        return False, f"{who} is stuck: {since}; in {where}"
 
     def close(self):
         self.closed.set()
+        if self.sentinel is not None:
+            self.sentinel.kill()
+            self.sentinel.wait()
 
 
 def _package_folder(name: str) -> str | None:

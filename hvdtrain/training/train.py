@@ -349,9 +349,9 @@ def opened_run(cfg: Config, s: Setup, commit, events) -> Iterator[Run]:
     gc.collect()
     gc.freeze()
     gc.disable()
-    # A stalled worker ends the job instead of leaving the others waiting for ever. In an elastic
-    # job Horovod's driver deals with lost workers (Gloo's timeout starts a reset).
-    watchdog = StallWatchdog(cfg.horovod.stall_timeout_s if commit is None else 0, world.rank, state.step)
+    # A stalled worker ends the job instead of leaving the others waiting for ever; in an elastic
+    # job it leaves, and the others go on without it.
+    watchdog = StallWatchdog(cfg.horovod.stall_timeout_s, world.rank, state.step, elastic=commit is not None)
     try:
         yield Run(world, last_step, batches, timer, distributed.StepTotals(s.engine.stages), guard, preemption,
                   watchdog, profiler,
