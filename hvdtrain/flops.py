@@ -19,7 +19,10 @@ def model_dims(cfg) -> dict:
     max_position: data.seq_len): keyword arguments for count_params and flops_params."""
     m = cfg.model
     return dict(arch=m.arch, n_layer=m.n_layer, d_model=m.d_model, d_ff=m.d_ff or 4 * m.d_model,
-                vocab_size=cfg.data.vocab_size, max_position=m.max_position or cfg.data.seq_len)
+                vocab_size=cfg.data.vocab_size, max_position=m.max_position or cfg.data.seq_len,
+                # every family ties by default (Llama: its model.tie_embeddings knob)
+                tied_embeddings=True if m.tie_embeddings is None else m.tie_embeddings,
+                kv_width=(m.n_kv_head or m.n_head) * (m.d_model // m.n_head))
 
 
 def built_model_dims(config) -> Optional[dict]:
@@ -34,27 +37,30 @@ def built_model_dims(config) -> Optional[dict]:
 
 
 def count_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: int, max_position: int,
-                 tied_embeddings: bool = True) -> int:
+                 tied_embeddings: bool = True, kv_width: Optional[int] = None) -> int:
     """Parameters of the family's model (e.g. HF GPT2LMHeadModel), counted as
-    `sum(p.numel() for p in model.parameters())` counts them (a tied weight once)."""
-    parts = family(arch).parameter_counts(d_model, d_ff, vocab_size, max_position)
+    `sum(p.numel() for p in model.parameters())` counts them (a tied weight once). kv_width:
+    the width of the key and value projections (null: d_model; smaller with grouped-query
+    attention)."""
+    parts = family(arch).parameter_counts(d_model, d_ff, vocab_size, max_position, kv_width or d_model)
     untied_output = 0 if tied_embeddings else parts.untied_output
     return parts.embeddings + n_layer * parts.layer + parts.head + untied_output
 
 
 def stage_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: int, max_position: int,
-                 bounds: list[int], head_fraction: float = 1.0) -> list[dict]:
-    """Parameters of each pipeline stage of a model with tied embeddings (hvdtrain's models),
-    split at the layer `bounds` of hvdtrain.pipeline_split.stage_bounds: stage i owns layers
+                 bounds: list[int], head_fraction: float = 1.0, tied_embeddings: bool = True,
+                 kv_width: Optional[int] = None) -> list[dict]:
+    """Parameters of each pipeline stage of a model with tied (or untied) embeddings, split
+    at the layer `bounds` of hvdtrain.pipeline_split.stage_bounds: stage i owns layers
     bounds[i] .. bounds[i+1]-1, the first stage also the embeddings, the last one the head.
 
     For each stage, "layers" (how many), "params" (as its StageModule counts them) and
     "flops_params" (its share of flops_params' N). With more than one stage the last stage holds
     its own copy of the tied embedding/output matrix (hvdtrain.pipeline keeps the copies equal),
-    so the stages hold V·d more parameters than the model; with one stage both counts are those
-    of count_params and flops_params. The head (e.g. GPT-2's ln_f and lm_head; BERT's MLM
+    so the stages hold V·d more parameters than the model (untied: the last stage's own output
+    matrix); with one stage both counts are those of count_params and flops_params. The head (e.g. GPT-2's ln_f and lm_head; BERT's MLM
     transform, decoder and bias) counts with `head_fraction` in flops_params, as there."""
-    parts = family(arch).parameter_counts(d_model, d_ff, vocab_size, max_position)
+    parts = family(arch).parameter_counts(d_model, d_ff, vocab_size, max_position, kv_width or d_model)
     v, d = vocab_size, d_model
     n = len(bounds) - 1
     stages = []
@@ -66,7 +72,7 @@ def stage_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: i
             flops_n += parts.embeddings - parts.lookups  # e.g. BERT's embedding LayerNorm
         if i == n - 1:
             # the output matrix: the embedding itself on a single stage, else the last stage's copy
-            params += parts.head + (v * d if n > 1 else 0)
+            params += parts.head + (parts.untied_output if not tied_embeddings else v * d if n > 1 else 0)
             flops_n += head_fraction * (parts.head + v * d)
         stages.append({"layers": layers, "params": params, "flops_params": flops_n})
     return stages
@@ -80,7 +86,7 @@ def head_fraction(cfg) -> float:
 
 
 def flops_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: int, max_position: int,
-                 tied_embeddings: bool = True, head_fraction: float = 1.0) -> float:
+                 tied_embeddings: bool = True, head_fraction: float = 1.0, kv_width: Optional[int] = None) -> float:
     """N in the 6N term: the parameters every token multiplies with.
 
     That is all parameters except the lookup tables (position and token-type embeddings, and
@@ -92,8 +98,8 @@ def flops_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: i
     The output head (GPT-2's lm_head; BERT's MLM transform, decoder and its bias) counts with
     `head_fraction`, the share of positions it runs on (see head_fraction(cfg)).
     """
-    total = count_params(arch, n_layer, d_model, d_ff, vocab_size, max_position, tied_embeddings)
-    parts = family(arch).parameter_counts(d_model, d_ff, vocab_size, max_position)
+    total = count_params(arch, n_layer, d_model, d_ff, vocab_size, max_position, tied_embeddings, kv_width)
+    parts = family(arch).parameter_counts(d_model, d_ff, vocab_size, max_position, kv_width or d_model)
     # The token table is the output projection when tied: a matmul, not a lookup. Untied, the
     # input table is a lookup and the separate output projection stays.
     lookups = parts.lookups - (vocab_size * d_model if tied_embeddings else 0)
