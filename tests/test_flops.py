@@ -10,6 +10,11 @@ from hvdtrain.flops import (built_model_dims, count_params, flops_params, flops_
                             model_flops_per_token, peak_tflops)
 
 GPT2_124M = dict(arch="gpt2", n_layer=12, d_model=768, d_ff=3072, vocab_size=50257, max_position=1024)
+# Llama 3.2 1B and Llama 3 8B as published (1,235,814,400 and 8,030,261,248 parameters)
+LLAMA_32_1B = dict(arch="llama", n_layer=16, d_model=2048, d_ff=8192, vocab_size=128256, max_position=131072,
+                   kv_width=512)
+LLAMA_3_8B = dict(arch="llama", n_layer=32, d_model=4096, d_ff=14336, vocab_size=128256, max_position=8192,
+                  kv_width=1024)
 BERT_LARGE = dict(arch="bert", n_layer=24, d_model=1024, d_ff=4096, vocab_size=30522, max_position=512)
 
 
@@ -54,7 +59,7 @@ def test_model_flops_per_token_gpt2_from_config():
     assert model_flops_per_token(cfg) == 855_166_464 - 6 * (50257 - 4096) * 768
 
 
-def _hf_model(arch, n_layer, d_model, d_ff, vocab_size, max_position, tied):
+def _hf_model(arch, n_layer, d_model, d_ff, vocab_size, max_position, tied, kv_width=None):
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
     if arch == "gpt2":
@@ -62,6 +67,12 @@ def _hf_model(arch, n_layer, d_model, d_ff, vocab_size, max_position, tied):
                                          vocab_size=vocab_size, n_positions=max_position,
                                          tie_word_embeddings=tied)
         cls = transformers.GPT2LMHeadModel
+    elif arch == "llama":
+        config = transformers.LlamaConfig(num_hidden_layers=n_layer, hidden_size=d_model, num_attention_heads=4,
+                                          num_key_value_heads=4 * kv_width // d_model, intermediate_size=d_ff,
+                                          vocab_size=vocab_size, max_position_embeddings=max_position,
+                                          tie_word_embeddings=tied)
+        cls = transformers.LlamaForCausalLM
     else:
         config = transformers.BertConfig(num_hidden_layers=n_layer, hidden_size=d_model, num_attention_heads=2,
                                          intermediate_size=d_ff, vocab_size=vocab_size,
@@ -80,6 +91,12 @@ def _hf_model(arch, n_layer, d_model, d_ff, vocab_size, max_position, tied):
     (dict(arch="bert", n_layer=3, d_model=96, d_ff=200, vocab_size=257, max_position=64), False),
     (dict(arch="bert", n_layer=1, d_model=32, d_ff=128, vocab_size=4096, max_position=128), True),
     (BERT_LARGE, True),
+    # grouped-query attention: 4 query heads, 2 or 1 key/value heads
+    (dict(arch="llama", n_layer=2, d_model=64, d_ff=200, vocab_size=100, max_position=32, kv_width=32), True),
+    (dict(arch="llama", n_layer=3, d_model=96, d_ff=256, vocab_size=257, max_position=64, kv_width=24), False),
+    (dict(arch="llama", n_layer=1, d_model=32, d_ff=128, vocab_size=4096, max_position=128, kv_width=32), True),
+    (LLAMA_32_1B, True),
+    (LLAMA_3_8B, False),
 ])
 def test_count_matches_transformers(dims, tied):
     model = _hf_model(**dims, tied=tied)
@@ -90,7 +107,7 @@ def test_count_matches_transformers(dims, tied):
 
 
 def test_other_model_types_have_no_dims():
-    assert built_model_dims(types.SimpleNamespace(model_type="llama")) is None
+    assert built_model_dims(types.SimpleNamespace(model_type="t5")) is None
 
 
 class _World:
@@ -126,9 +143,9 @@ def test_throughput_of_an_uncounted_model_type_has_no_mfu():
     from hvdtrain.metrics import Throughput
     cfg = config_from_dict({"log": {"peak_tflops": 1.0}})
     world = _World()
-    throughput = Throughput(cfg, types.SimpleNamespace(model_type="llama"), world, global_batch=8)
+    throughput = Throughput(cfg, types.SimpleNamespace(model_type="t5"), world, global_batch=8)
     assert "mfu" not in throughput.record(step_time=0.5)
-    assert "no FLOPs count for model type 'llama'" in world.printed[0]
+    assert "no FLOPs count for model type 't5'" in world.printed[0]
 
 
 def test_flops_per_token_gpt2_124m():
@@ -185,3 +202,31 @@ def test_fp32_mfu_is_measured_against_tf32():
     assert source == "H100 SXM tf32 dense"
     assert mfu(200e3, 855_166_464, 67) > 1
     assert mfu(200e3, 855_166_464, peak) == pytest.approx(0.3459, abs=1e-4)
+
+
+def test_llama_published_sizes():
+    assert count_params(**LLAMA_32_1B, tied_embeddings=True) == 1_235_814_400
+    assert count_params(**LLAMA_3_8B, tied_embeddings=False) == 8_030_261_248
+
+
+@pytest.mark.parametrize("arch, model", [("gpt2", {}), ("llama", {"n_kv_head": 2, "d_ff": 200}),
+                                         ("llama", {"n_kv_head": 1, "tie_embeddings": False})])
+def test_flops_per_token_are_the_model_s_own_matmuls(arch, model):
+    """The FLOPs of one training step as torch counts the model's matmuls (forward, loss and
+    backward; attention through its matmul kernel, which the counter sees) equal the formula's,
+    less 6 per vector parameter (biases and norms, which the 6N convention counts)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hvdtrain.models import Vocab, build_model, token_loss_sum
+    cfg = config_from_dict({"model": {"arch": arch, "n_layer": 2, "n_head": 4, "d_model": 64, "dropout": 0.0,
+                                      **model},
+                            "data": {"seq_len": 32, "vocab_size": 128}})
+    net = build_model(cfg.model, Vocab(size=128, pad_id=0, bos_id=1, eos_id=1), 32)
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        token_loss_sum(net, {"input_ids": ids, "labels": ids}).backward()
+    vectors = sum(p.numel() for p in net.parameters() if p.dim() == 1)
+    expected = model_flops_per_token(cfg, built_model_dims(net.config)) - 6 * vectors
+    assert counter.get_total_flops() / ids.numel() == pytest.approx(expected, rel=1e-12)
