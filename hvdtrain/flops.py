@@ -22,7 +22,8 @@ def model_dims(cfg) -> dict:
                 vocab_size=cfg.data.vocab_size, max_position=m.max_position or cfg.data.seq_len,
                 # every family ties by default (Llama: its model.tie_embeddings knob)
                 tied_embeddings=True if m.tie_embeddings is None else m.tie_embeddings,
-                kv_width=(m.n_kv_head or m.n_head) * (m.d_model // m.n_head))
+                kv_width=(m.n_kv_head or m.n_head) * (m.d_model // m.n_head),
+                **family(m.arch).attention_shape(m))
 
 
 def built_model_dims(config) -> Optional[dict]:
@@ -37,11 +38,12 @@ def built_model_dims(config) -> Optional[dict]:
 
 
 def count_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: int, max_position: int,
-                 tied_embeddings: bool = True, kv_width: Optional[int] = None) -> int:
+                 tied_embeddings: bool = True, kv_width: Optional[int] = None, **attention) -> int:
     """Parameters of the family's model (e.g. HF GPT2LMHeadModel), counted as
     `sum(p.numel() for p in model.parameters())` counts them (a tied weight once). kv_width:
     the width of the key and value projections (null: d_model; smaller with grouped-query
-    attention)."""
+    attention). `attention`: the layout of local and global layers (ModernBERT's
+    local_attention and global_every), which changes no parameter count."""
     parts = family(arch).parameter_counts(d_model, d_ff, vocab_size, max_position, kv_width or d_model)
     untied_output = 0 if tied_embeddings else parts.untied_output
     return parts.embeddings + n_layer * parts.layer + parts.head + untied_output
@@ -49,7 +51,7 @@ def count_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: i
 
 def stage_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: int, max_position: int,
                  bounds: list[int], head_fraction: float = 1.0, tied_embeddings: bool = True,
-                 kv_width: Optional[int] = None) -> list[dict]:
+                 kv_width: Optional[int] = None, **attention) -> list[dict]:
     """Parameters of each pipeline stage of a model with tied (or untied) embeddings, split
     at the layer `bounds` of hvdtrain.pipeline_split.stage_bounds: stage i owns layers
     bounds[i] .. bounds[i+1]-1, the first stage also the embeddings, the last one the head.
@@ -86,7 +88,8 @@ def head_fraction(cfg) -> float:
 
 
 def flops_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: int, max_position: int,
-                 tied_embeddings: bool = True, head_fraction: float = 1.0, kv_width: Optional[int] = None) -> float:
+                 tied_embeddings: bool = True, head_fraction: float = 1.0, kv_width: Optional[int] = None,
+                 **attention) -> float:
     """N in the 6N term: the parameters every token multiplies with.
 
     That is all parameters except the lookup tables (position and token-type embeddings, and
@@ -107,16 +110,21 @@ def flops_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: i
     return total - lookups - (1 - head_fraction) * head
 
 
-def flops_per_token(n_params: float, n_layer: int, d_model: int, seq_len: int) -> float:
+def flops_per_token(n_params: float, n_layer: int, d_model: int, seq_len: int,
+                    attended_keys: Optional[int] = None) -> float:
     """Training FLOPs per token: 6N + 12·L·H·Q·T (PaLM appendix B; nanoGPT's estimate_mfu).
 
     6N: forward 2N (a multiply and an add per parameter), backward 4N (gradients of inputs and
     of weights). 12·L·H·Q·T: per layer and token, the attention scores QK^T and the weighted
     sum of the values are T·d multiply-adds (2·T·d FLOPs) each in the forward, x3 for forward
     + backward; H·Q (heads x head size) = d_model. Pass N = flops_params(...). Causal masking
-    is not discounted (PaLM's convention).
+    is not discounted (PaLM's convention). L·T is `attended_keys` when given: the keys each
+    query attends to summed over the layers, fewer than L·T where layers attend to a local
+    window (ModernBERT; the FLOPs of the attention the model needs, not of a masked kernel).
+    Grouped-query attention changes nothing here: every query head still scores T keys.
     """
-    return 6.0 * n_params + 12.0 * n_layer * d_model * seq_len
+    keys = n_layer * seq_len if attended_keys is None else attended_keys
+    return 6.0 * n_params + 12.0 * d_model * keys
 
 
 def model_flops_per_token(cfg, dims: Optional[dict] = None) -> float:
@@ -126,7 +134,9 @@ def model_flops_per_token(cfg, dims: Optional[dict] = None) -> float:
     if dims is None:
         dims = model_dims(cfg)
     n = flops_params(**dims, head_fraction=head_fraction(cfg))
-    return flops_per_token(n, dims["n_layer"], dims["d_model"], cfg.data.seq_len)
+    shape = {k: v for k, v in dims.items() if k != "arch"}
+    return flops_per_token(n, dims["n_layer"], dims["d_model"], cfg.data.seq_len,
+                           family(dims["arch"]).attended_keys(cfg.data.seq_len, **shape))
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_tflops_total: float) -> float:

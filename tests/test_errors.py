@@ -18,6 +18,7 @@ CASES = [
     (["model.n_kv_head=1"], ["'model.n_kv_head'", "with model.arch gpt2", "a knob of llama only"]),
     (["model.arch=bert", "model.tie_embeddings=false"], ["'model.tie_embeddings'", "model.arch bert"]),
     (["model.arch=t5"], ["'model.arch'", "'llama'"]),
+    (["model.local_attention=64"], ["'model.local_attention'", "a knob of modernbert only"]),
     (["train.max_steps=0"], ["'train.max_steps'", ">= 1"]),
     (["train.micro_batch_size=512"], ["global batch (512", "larger than the training set (256 blocks"]),
     (["train.global_batch_size=0"], ["'train.global_batch_size'", "an integer >= 1"]),

@@ -20,7 +20,10 @@ MODELS = {"gpt2": ({"arch": "gpt2"}, ("transformer.wte.weight", "lm_head.weight"
           "bert": ({"arch": "bert"}, ("bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight")),
           # the rotary embedding on both stages; grouped-query attention
           "llama": ({"arch": "llama", "n_kv_head": 1}, ("model.embed_tokens.weight", "lm_head.weight")),
-          "llama-untied": ({"arch": "llama", "tie_embeddings": False}, None)}
+          "llama-untied": ({"arch": "llama", "tie_embeddings": False}, None),
+          # local layers (1 and 2 of 4) attend to 8 of the 16 positions
+          "modernbert": ({"arch": "modernbert", "local_attention": 8},
+                         ("model.embeddings.tok_embeddings.weight", "decoder.weight"))}
 
 
 def whole_model(out_dir, ranks) -> dict:
@@ -54,7 +57,7 @@ def one_worker(tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch,schedule", [("gpt2", "gpipe"), ("gpt2", "1f1b"), ("bert", "1f1b"), ("bert", "gpipe"),
-                                           ("llama", "1f1b"), ("llama-untied", "gpipe")])
+                                           ("llama", "1f1b"), ("llama-untied", "gpipe"), ("modernbert", "1f1b")])
 def test_two_stages_equal_one_worker(tmp_path, one_worker, arch, schedule):
     config, reference = one_worker(arch)
     out = tmp_path / "pp2"

@@ -29,10 +29,21 @@ out = pipeline("text-generation", model=sys.argv[1])("The Python language", max_
 print(out[0]["generated_text"])
 """
 
+# transformers' own fill-mask pipeline on the folder, without hvdtrain: one line per guess
+PIPELINE_FILLS_MASK = """
+import sys
+sys.modules["hvdtrain"] = None
+from transformers import pipeline
+fill = pipeline("fill-mask", model=sys.argv[1])
+for guess in fill(f"the {fill.tokenizer.mask_token} statement is used in a loop.", top_k=3):
+    print(guess["sequence"])
+"""
+
 
 @pytest.mark.parametrize("recipe,kind,model_class,steps", [("gpt-tiny", "CausalLM", "GPT2LMHeadModel", 40),
                                                            ("bert-tiny", "MaskedLM", "BertForMaskedLM", 40),
-                                                           ("llama-tiny", "CausalLM", "LlamaForCausalLM", 40)])
+                                                           ("llama-tiny", "CausalLM", "LlamaForCausalLM", 40),
+                                                           ("modernbert-tiny", "MaskedLM", "ModernBertForMaskedLM", 40)])
 def test_tiny_recipe_trains_exports_and_runs(tmp_path, recipe, kind, model_class, steps):
     out = tmp_path / "run"
     proc = hvdtrain("launch", "-np", "2", REPO / "recipes" / f"{recipe}.yaml", f"out_dir={out}",
@@ -61,6 +72,8 @@ def test_tiny_recipe_trains_exports_and_runs(tmp_path, recipe, kind, model_class
         proc = hvdtrain("fill-mask", exported, "the [MASK] statement is used in a loop.")
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert len(proc.stdout.strip().splitlines()) == 5
+        filled = run_cmd([sys.executable, "-c", PIPELINE_FILLS_MASK, exported])
+        assert filled.returncode == 0 and len(filled.stdout.strip().splitlines()) == 3, filled.stderr[-2000:]
 
 
 def test_tiny_pipeline_recipe_trains_in_two_stages(tmp_path):

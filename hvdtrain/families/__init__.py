@@ -21,6 +21,7 @@ FAMILIES = {
     "gpt2": "hvdtrain.families.gpt2",
     "bert": "hvdtrain.families.bert",
     "llama": "hvdtrain.families.llama",
+    "modernbert": "hvdtrain.families.modernbert",
 }
 NAMES = tuple(FAMILIES)
 
@@ -61,6 +62,12 @@ class Family:
     # The family's own model.* keys (e.g. Llama's n_kv_head); any other
     # family's knob set for this family is a config error.
     knobs: tuple = ()
+    # attended_keys(seq_len, **shape_of's dict): the keys each query attends to, summed over
+    # the layers (the attention term of the FLOPs); every key in every layer by default
+    attended_keys: Callable[..., int] = lambda seq_len, n_layer, **shape: n_layer * seq_len
+    # attention_shape(model config section): those of shape_of's keys that describe the layout
+    # of the attention (ModernBERT's local window), for a model described by the config
+    attention_shape: Callable[[object], dict] = lambda model: {}
 
     @property
     def objective(self) -> str:
@@ -101,9 +108,9 @@ def family_of(model) -> Family:
     return found
 
 
-def no_layer_inputs(stage, hidden) -> dict:
+def no_layer_inputs(stage, hidden) -> Callable:
     """StageParts.layer_inputs of a family whose layers take the hidden states alone."""
-    return {}
+    return lambda layer: {}
 
 
 @dataclass(frozen=True)
@@ -118,6 +125,7 @@ class StageParts:
     embed: Callable           # input_ids -> hidden states before the first layer
     final_norm: Callable      # hidden states after the last layer -> the head's inputs
     head_logits: Callable     # -> flat (positions, vocab) logits and their labels
-    # -> keyword arguments every layer of a stage gets besides the hidden states, computed once
-    # per stage from its input (e.g. Llama's rotary position embeddings)
+    # -> a function from a layer to the keyword arguments it gets besides the hidden states,
+    # computed once per stage from the stage's input (e.g. Llama's rotary position embeddings;
+    # ModernBERT's masks and rotary embeddings, which depend on the kind of layer)
     layer_inputs: Callable = no_layer_inputs

@@ -45,7 +45,8 @@ def _layer_inputs(stage, hidden):
     # by the stage's own rotary_emb (kept on every stage: it has no parameters). No attention
     # mask: the layers then attend causally, as LlamaModel does for unpadded blocks.
     positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-    return {"position_embeddings": stage.model.rotary_emb(hidden, positions)}
+    inputs = {"position_embeddings": stage.model.rotary_emb(hidden, positions)}
+    return lambda layer: inputs  # the same for every layer
 
 
 def _final_norm(stage, hidden):
