@@ -1,4 +1,4 @@
-"""Try a trained model: `hvdtrain generate` (GPT) and `hvdtrain fill-mask` (BERT).
+"""Try a trained model: `hvdtrain generate` (GPT-2, Llama) and `hvdtrain fill-mask` (BERT, ModernBERT).
 
 Both take a Hugging Face folder (from `hvdtrain export`, or OUT_DIR/hf after training).
 """
@@ -59,7 +59,7 @@ def run_fill_mask(args) -> int:
 
 
 def add_cli(sub):
-    p = sub.add_parser("generate", help="sample a continuation from a GPT model folder")
+    p = sub.add_parser("generate", help="sample a continuation from a causal LM folder (GPT-2, Llama)")
     p.add_argument("model")
     p.add_argument("prompt")
     p.add_argument("--max-new-tokens", type=int, default=50)
@@ -68,7 +68,7 @@ def add_cli(sub):
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run_generate)
 
-    p = sub.add_parser("fill-mask", help="predict the [MASK] token(s) with a BERT model folder")
+    p = sub.add_parser("fill-mask", help="predict the [MASK] token(s) with a masked LM folder (BERT, ModernBERT)")
     p.add_argument("model")
     p.add_argument("text")
     p.add_argument("--top-k", type=int, default=5)

@@ -1,7 +1,8 @@
 """The models hvdtrain trains, built with Hugging Face transformers, and the training loss.
 
-A model of the family `model.arch` names (hvdtrain.families: GPT-2, BERT) is built from the
-config for training from scratch, or loaded from `model.pretrained` to continue pretraining.
+A model of the family `model.arch` names (hvdtrain.families: GPT-2, BERT, Llama, ModernBERT)
+is built from the config for training from scratch, or loaded from `model.pretrained` to
+continue pretraining.
 Attention goes through PyTorch's scaled_dot_product_attention. The training loop sums the token losses itself
 (`token_loss_sum`), so it can normalise by the number of targets in the whole optimizer step.
 """
@@ -74,7 +75,7 @@ def transformer_blocks(model) -> torch.nn.ModuleList:
 
 
 def model_body(model) -> torch.nn.Module:
-    """Everything before the output head (GPT2Model, BertModel)."""
+    """Everything before the output head (GPT2Model, BertModel, LlamaModel, ModernBertModel)."""
     return family_of(model).modeling().body(model)
 
 

@@ -63,3 +63,11 @@ def test_llama_8b_recipe_is_llama_3_8b_and_fits_80_gb_in_4_stages_on_32_gpus():
     assert chosen["tied_s"] == 0.0  # untied: no embedding gradient to sum between the ends
     h200 = plan(cfg, gpus=32, gpu="H200", pp=2)["pipeline"]["chosen"]
     assert h200["fits"] and h200["largest"] < 88 * GIB
+
+
+def test_modernbert_base_recipe_is_modernbert_base_and_fits_40_gb():
+    """What recipes/modernbert-base.yaml's comments promise (`hvdtrain plan ... --gpus 8`)."""
+    cfg = load_config(str(RECIPES[0].parent / "modernbert-base.yaml"))
+    p = plan(cfg, gpus=8, gpu="H100")
+    assert p["model"]["params"] == 149_655_232  # ModernBERT-base's published count
+    assert p["memory"]["fits"] and p["memory"]["total"] < 31 * GIB
