@@ -1,6 +1,7 @@
 """The model families hvdtrain trains, one folder each, and the registry that names them.
 
-A family folder holds everything that differs between, say, GPT-2 and BERT:
+A family folder holds everything that differs between, say, GPT-2 and BERT (the families:
+GPT-2, BERT, Llama, ModernBERT):
   * `<family>/__init__.py` (no torch import, so `hvdtrain plan` and config checks start fast):
     a `Family` with the training objective, the tokenizer it trains, and its parameter counts
     for FLOPs, MFU and the planner;
@@ -54,13 +55,13 @@ class Family:
     tokenizer: str              # the kind of tokenizer trained for it: "byte-level-bpe" or "wordpiece"
     # parameter_counts(d_model, d_ff, vocab_size, max_position, kv_width)
     parameter_counts: Callable[[int, int, int, int, int], ParameterCounts]
-    # (n_layer, d_model, d_ff, vocab_size, max_position, tied_embeddings[, kv_width]) of a
-    # transformers config
+    # (n_layer, d_model, d_ff, vocab_size, max_position, tied_embeddings[, kv_width][, the
+    # attention layout: ModernBERT's local_attention, global_every]) of a transformers config
     shape_of: Callable[[object], dict]
     tensors_per_layer: int      # parameter tensors per layer: the allreduce count with tensor fusion off
     other_tensors: int          # parameter tensors outside the layers (embeddings, head)
-    # The family's own model.* keys (e.g. Llama's n_kv_head); any other
-    # family's knob set for this family is a config error.
+    # The family's own model.* keys (e.g. Llama's n_kv_head); another family's knob set for
+    # this family is a config error.
     knobs: tuple = ()
     # attended_keys(seq_len, **shape_of's dict): the keys each query attends to, summed over
     # the layers (the attention term of the FLOPs); every key in every layer by default
