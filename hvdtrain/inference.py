@@ -54,7 +54,8 @@ def run_fill_mask(args) -> int:
     if fill.tokenizer.mask_token not in args.text:
         raise UserError(f"the text must contain the mask token {fill.tokenizer.mask_token}")
     for guess in fill(args.text, top_k=args.top_k):
-        print(f"{guess['score']:.3f}  {guess['sequence']}")
+        # one guess a line: a byte-level tokenizer (ModernBERT's) may guess a line break
+        print(f"{guess['score']:.3f}  {guess['sequence']}".replace("\n", "\\n"))
     return 0
 
 
