@@ -29,6 +29,9 @@ import yaml
 
 from hvdtrain.errors import UserError
 from hvdtrain.models import NAMES as FAMILY_NAMES
+from hvdtrain.models import knob_owners
+
+KNOBS = knob_owners()  # model.* keys that only some families have -> those families
 
 
 def _require(ok: bool, key: str, expected: str, value):
@@ -41,8 +44,11 @@ def _require(ok: bool, key: str, expected: str, value):
 class ModelConfig:
     """The transformer trained, and its shape when it is built from scratch. The defaults are
     a toy model that trains in seconds on a CPU; the recipes set real shapes."""
-    # The model family (hvdtrain.models): "gpt2" (causal LM, transformers' GPT2LMHeadModel)
-    # or "bert" (masked LM, BertForMaskedLM).
+    # The model family (hvdtrain.models): "gpt2" (causal LM, transformers' GPT2LMHeadModel),
+    # "bert" (masked LM, BertForMaskedLM), "llama" (causal LM, LlamaForCausalLM: rotary
+    # positions, RMSNorm, SwiGLU, grouped-query attention; Llama 3, Mistral and Qwen2 shapes) or
+    # "modernbert" (masked LM, ModernBertForMaskedLM: rotary positions, GeGLU, alternating
+    # local and global attention).
     arch: Literal[FAMILY_NAMES] = "gpt2"
     # A local folder or hub name of a Hugging Face model of this arch to continue pretraining
     # from (safetensors only); its own shape and dropout then replace the keys below. null:
@@ -51,7 +57,9 @@ class ModelConfig:
     n_layer: int = 2  # transformer blocks
     n_head: int = 2  # attention heads per block; must divide d_model
     d_model: int = 64  # hidden size: the width of the embeddings and of every block
-    d_ff: Optional[int] = None  # width of the feed-forward layer; null: 4 * d_model (GPT-2's and BERT's ratio)
+    # Width of the feed-forward layer (Llama: SwiGLU's intermediate size; ModernBERT: GeGLU's);
+    # null: 4 * d_model (GPT-2's and BERT's ratio, and Llama 3.2 1B's).
+    d_ff: Optional[int] = None
     # Position embeddings: the longest sequence the model can take. null: data.seq_len. Set it
     # larger in a first phase that a later phase continues at a longer seq_len (BERT's phase 2).
     max_position: Optional[int] = None
@@ -62,8 +70,35 @@ class ModelConfig:
     # Recompute each block's activations in backward instead of keeping them from the forward:
     # far less activation memory for one more forward of every block in each backward.
     activation_checkpointing: bool = False
+    # The knobs of one family (KNOBS; null: the family's default). Set for another family, they
+    # are an error. Llama:
+    # Key/value heads of grouped-query attention, shared by n_head / n_kv_head query heads each;
+    # must divide n_head. null: n_head (multi-head attention). Llama 3 has 8.
+    n_kv_head: Optional[int] = None
+    rope_theta: Optional[float] = None  # the rotary embedding's base; null: 500000 (Llama 3)
+    # The output matrix is the token embedding (one V x d matrix) or its own; null: tied
+    # (Llama 3.2 1B and 3B; Llama 3 8B is untied).
+    tie_embeddings: Optional[bool] = None
+    # ModernBERT:
+    # Tokens a local attention layer attends to around each position (half on each side);
+    # null: 128 (ModernBERT-base and -large).
+    local_attention: Optional[int] = None
+    # Every this many layers one attends to the whole block (the first, then every N-th); the
+    # others attend locally. null: 3 (ModernBERT's). 1: every layer global.
+    global_attn_every: Optional[int] = None
 
     def check(self):
+        for knob, owners in KNOBS.items():
+            _require(getattr(self, knob) is None or self.arch in owners, f"model.{knob}",
+                     f"null with model.arch {self.arch} (a knob of {', '.join(owners)} only)", getattr(self, knob))
+        _require(self.n_kv_head is None or (self.n_kv_head >= 1 and self.n_head % self.n_kv_head == 0),
+                 "model.n_kv_head", f"a divisor of model.n_head ({self.n_head}) or null", self.n_kv_head)
+        _require(self.rope_theta is None or self.rope_theta > 0, "model.rope_theta", "a number > 0 or null",
+                 self.rope_theta)
+        _require(self.local_attention is None or (self.local_attention >= 2 and self.local_attention % 2 == 0),
+                 "model.local_attention", "an even number of tokens >= 2 or null", self.local_attention)
+        _require(self.global_attn_every is None or self.global_attn_every >= 1, "model.global_attn_every",
+                 "an integer >= 1 or null", self.global_attn_every)
         _require(self.n_layer >= 1, "model.n_layer", "an integer >= 1", self.n_layer)
         _require(self.n_head >= 1 and self.d_model % self.n_head == 0, "model.n_head",
                  f"a divisor of model.d_model ({self.d_model})", self.n_head)

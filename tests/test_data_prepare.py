@@ -48,7 +48,7 @@ def files(folder: Path) -> dict[str, bytes]:
             if p.is_file() and not p.name.startswith(".")}
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+@pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "modernbert"])
 def test_token_files_give_todays_blocks(tmp_path, arch):
     """The builtin corpus, in pieces tokenized by 2 processes: every block as today's packing
     makes it from the same documents, including blocks that straddle two pieces."""

@@ -30,7 +30,7 @@ def builtin(tmp_path, **options):
     return open_corpus(DataConfig(**options), tmp_path)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+@pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "modernbert"])
 def test_save_and_reload_gives_identical_ids(tmp_path, corpus, arch):
     trained = train_tokenizer(corpus, arch, vocab_size=1000)
     assert 500 < len(trained) <= 1000
@@ -50,6 +50,17 @@ def test_gpt2_tokenizer_is_byte_level_with_endoftext(corpus):
         assert tok.decode(tok(text)["input_ids"]) == text
 
 
+def test_llama_tokenizer_is_byte_level_with_begin_and_end_of_text(corpus):
+    tok = train_tokenizer(corpus, "llama", vocab_size=1000)
+    assert (tok.bos_token, tok.eos_token) == ("<|begin_of_text|>", "<|end_of_text|>")
+    assert tok.bos_token_id != tok.eos_token_id
+    for text in SAMPLES:  # BOS before the text, as Llama 3's tokenizer; bytes, so an exact round trip
+        ids = tok(text)["input_ids"]
+        assert ids[0] == tok.bos_token_id and tok.eos_token_id not in ids
+        assert tok.decode(ids[1:]) == text and tok.decode(ids, skip_special_tokens=True) == text
+    assert tok("a", "b")["input_ids"].count(tok.bos_token_id) == 2
+
+
 def test_bert_tokenizer_is_uncased_wordpiece_with_cls_and_sep(corpus):
     tok = train_tokenizer(corpus, "bert", vocab_size=1000)
     assert [tok.pad_token, tok.unk_token, tok.cls_token, tok.sep_token, tok.mask_token] == \
@@ -57,6 +68,17 @@ def test_bert_tokenizer_is_uncased_wordpiece_with_cls_and_sep(corpus):
     ids = tok("The Quick brown fox")["input_ids"]
     assert ids[0] == tok.cls_token_id and ids[-1] == tok.sep_token_id
     assert tok.decode(ids, skip_special_tokens=True) == "the quick brown fox"
+
+
+def test_modernbert_tokenizer_is_cased_byte_level_with_cls_sep_and_a_mask_that_takes_its_space(corpus):
+    tok = train_tokenizer(corpus, "modernbert", vocab_size=1000)
+    assert [tok.pad_token, tok.unk_token, tok.cls_token, tok.sep_token, tok.mask_token] == \
+        ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    ids = tok("The Quick brown fox")["input_ids"]
+    assert ids[0] == tok.cls_token_id and ids[-1] == tok.sep_token_id
+    assert tok.decode(ids, skip_special_tokens=True) == "The Quick brown fox"
+    masked = tok("the [MASK] fox")["input_ids"]
+    assert masked[:3] == tok("the")["input_ids"][:2] + [tok.mask_token_id]  # no lone space token before it
 
 
 def test_bert_tokenizer_serves_a_fill_mask_pipeline(tmp_path, corpus):

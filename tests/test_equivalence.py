@@ -7,11 +7,15 @@ from helpers import assert_same_losses, assert_same_params, load_params, step_lo
 pytestmark = pytest.mark.workers
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "bert"])
-def test_two_workers_equal_one_worker(tmp_path, tiny_config, arch):
+@pytest.mark.parametrize("model", [{"arch": "gpt2"}, {"arch": "bert"}, {"arch": "llama", "n_kv_head": 1},
+                                   {"arch": "modernbert", "local_attention": 8}],
+                         ids=["gpt2", "bert", "llama", "modernbert"])
+def test_two_workers_equal_one_worker(tmp_path, tiny_config, model):
     """Same global batch (4 x 2): np=1 accumulates 2 micro batches, np=2 runs 1 per rank.
-    BERT's random masks give ranks different numbers of target tokens each step."""
-    config = tiny_config({"model": {"arch": arch}, "train": {"global_batch_size": 8}})
+    BERT's random masks give ranks different numbers of target tokens each step. Llama with
+    grouped-query attention (both query heads share one key/value head); ModernBERT with its
+    second layer attending to 8 of the 16 positions."""
+    config = tiny_config({"model": model, "train": {"global_batch_size": 8}})
     one, two = tmp_path / "np1", tmp_path / "np2"
     train_workers(1, config, f"out_dir={one}")
     train_workers(2, config, f"out_dir={two}")

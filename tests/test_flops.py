@@ -10,6 +10,14 @@ from hvdtrain.models.flops import (built_model_dims, count_params, flops_params,
                             model_flops_per_token, peak_tflops)
 
 GPT2_124M = dict(arch="gpt2", n_layer=12, d_model=768, d_ff=3072, vocab_size=50257, max_position=1024)
+# Llama 3.2 1B and Llama 3 8B as published (1,235,814,400 and 8,030,261,248 parameters)
+LLAMA_32_1B = dict(arch="llama", n_layer=16, d_model=2048, d_ff=8192, vocab_size=128256, max_position=131072,
+                   kv_width=512)
+LLAMA_3_8B = dict(arch="llama", n_layer=32, d_model=4096, d_ff=14336, vocab_size=128256, max_position=8192,
+                  kv_width=1024)
+# ModernBERT-base as published: 149,655,232 parameters
+MODERNBERT_BASE = dict(arch="modernbert", n_layer=22, d_model=768, d_ff=1152, vocab_size=50368, max_position=8192,
+                       local_attention=128, global_every=3)
 BERT_LARGE = dict(arch="bert", n_layer=24, d_model=1024, d_ff=4096, vocab_size=30522, max_position=512)
 
 
@@ -54,7 +62,8 @@ def test_model_flops_per_token_gpt2_from_config():
     assert model_flops_per_token(cfg) == 855_166_464 - 6 * (50257 - 4096) * 768
 
 
-def _hf_model(arch, n_layer, d_model, d_ff, vocab_size, max_position, tied):
+def _hf_model(arch, n_layer, d_model, d_ff, vocab_size, max_position, tied, kv_width=None, local_attention=None,
+              global_every=None):
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
     if arch == "gpt2":
@@ -62,6 +71,19 @@ def _hf_model(arch, n_layer, d_model, d_ff, vocab_size, max_position, tied):
                                          vocab_size=vocab_size, n_positions=max_position,
                                          tie_word_embeddings=tied)
         cls = transformers.GPT2LMHeadModel
+    elif arch == "llama":
+        config = transformers.LlamaConfig(num_hidden_layers=n_layer, hidden_size=d_model, num_attention_heads=4,
+                                          num_key_value_heads=4 * kv_width // d_model, intermediate_size=d_ff,
+                                          vocab_size=vocab_size, max_position_embeddings=max_position,
+                                          tie_word_embeddings=tied)
+        cls = transformers.LlamaForCausalLM
+    elif arch == "modernbert":
+        config = transformers.ModernBertConfig(num_hidden_layers=n_layer, hidden_size=d_model, num_attention_heads=4,
+                                               intermediate_size=d_ff, vocab_size=vocab_size,
+                                               max_position_embeddings=max_position, tie_word_embeddings=tied,
+                                               local_attention=local_attention,
+                                               global_attn_every_n_layers=global_every, pad_token_id=0)
+        cls = transformers.ModernBertForMaskedLM
     else:
         config = transformers.BertConfig(num_hidden_layers=n_layer, hidden_size=d_model, num_attention_heads=2,
                                          intermediate_size=d_ff, vocab_size=vocab_size,
@@ -80,6 +102,17 @@ def _hf_model(arch, n_layer, d_model, d_ff, vocab_size, max_position, tied):
     (dict(arch="bert", n_layer=3, d_model=96, d_ff=200, vocab_size=257, max_position=64), False),
     (dict(arch="bert", n_layer=1, d_model=32, d_ff=128, vocab_size=4096, max_position=128), True),
     (BERT_LARGE, True),
+    # grouped-query attention: 4 query heads, 2 or 1 key/value heads
+    (dict(arch="llama", n_layer=2, d_model=64, d_ff=200, vocab_size=100, max_position=32, kv_width=32), True),
+    (dict(arch="llama", n_layer=3, d_model=96, d_ff=256, vocab_size=257, max_position=64, kv_width=24), False),
+    (dict(arch="llama", n_layer=1, d_model=32, d_ff=128, vocab_size=4096, max_position=128, kv_width=32), True),
+    (LLAMA_32_1B, True),
+    (LLAMA_3_8B, False),
+    (dict(arch="modernbert", n_layer=4, d_model=64, d_ff=96, vocab_size=100, max_position=32, local_attention=8,
+          global_every=3), True),
+    (dict(arch="modernbert", n_layer=3, d_model=96, d_ff=144, vocab_size=257, max_position=64, local_attention=16,
+          global_every=2), False),
+    (MODERNBERT_BASE, True),
 ])
 def test_count_matches_transformers(dims, tied):
     model = _hf_model(**dims, tied=tied)
@@ -90,7 +123,7 @@ def test_count_matches_transformers(dims, tied):
 
 
 def test_other_model_types_have_no_dims():
-    assert built_model_dims(types.SimpleNamespace(model_type="llama")) is None
+    assert built_model_dims(types.SimpleNamespace(model_type="t5")) is None
 
 
 class _World:
@@ -126,9 +159,9 @@ def test_throughput_of_an_uncounted_model_type_has_no_mfu():
     from hvdtrain.observe.metrics import Throughput
     cfg = config_from_dict({"log": {"peak_tflops": 1.0}})
     world = _World()
-    throughput = Throughput(cfg, types.SimpleNamespace(model_type="llama"), world, global_batch=8)
+    throughput = Throughput(cfg, types.SimpleNamespace(model_type="t5"), world, global_batch=8)
     assert "mfu" not in throughput.record(step_time=0.5)
-    assert "no FLOPs count for model type 'llama'" in world.printed[0]
+    assert "no FLOPs count for model type 't5'" in world.printed[0]
 
 
 def test_flops_per_token_gpt2_124m():
@@ -185,3 +218,58 @@ def test_fp32_mfu_is_measured_against_tf32():
     assert source == "H100 SXM tf32 dense"
     assert mfu(200e3, 855_166_464, 67) > 1
     assert mfu(200e3, 855_166_464, peak) == pytest.approx(0.3459, abs=1e-4)
+
+
+def test_published_sizes():
+    assert count_params(**LLAMA_32_1B, tied_embeddings=True) == 1_235_814_400
+    assert count_params(**MODERNBERT_BASE) == 149_655_232
+    assert count_params(**LLAMA_3_8B, tied_embeddings=False) == 8_030_261_248
+
+
+@pytest.mark.parametrize("arch, model", [("gpt2", {}), ("llama", {"n_kv_head": 2, "d_ff": 200}),
+                                         ("llama", {"n_kv_head": 1, "tie_embeddings": False}), ("bert", {}),
+                                         ("modernbert", {"d_ff": 96, "global_attn_every": 1})])
+def test_flops_per_token_are_the_model_s_own_matmuls(arch, model):
+    """The FLOPs of one training step as torch counts the model's matmuls (forward, loss and
+    backward; attention through its matmul kernel, which the counter sees) equal the formula's,
+    less 6 per vector parameter (biases and norms, which the 6N convention counts). A masked
+    LM's head runs on its targets only (a quarter here, data.mlm_probability), and hvdtrain's
+    loss sums the decoder bias's gradient with a matmul (2 FLOPs per target and vocabulary row)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hvdtrain.models import family
+    from hvdtrain.models.common import Vocab, build_model, token_loss_sum
+    cfg = config_from_dict({"model": {"arch": arch, "n_layer": 2, "n_head": 4, "d_model": 64, "dropout": 0.0,
+                                      **model},
+                            "data": {"seq_len": 32, "vocab_size": 128, "mlm_probability": 0.25}})
+    net = build_model(cfg.model, Vocab(size=128, pad_id=0, bos_id=1, eos_id=1, cls_id=2, sep_id=3, mask_id=4), 32)
+    ids = torch.randint(5, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    causal = family(arch).causal
+    labels = ids if causal else torch.where(torch.arange(32) % 4 == 0, ids, -100)
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        token_loss_sum(net, {"input_ids": ids, "labels": labels}).backward()
+    head = {"bert": "cls.", "modernbert": ("head.", "decoder.")}.get(arch, "lm_head.")
+    vectors = {n: p.numel() for n, p in net.named_parameters() if p.dim() == 1}
+    head_vectors = sum(size for name, size in vectors.items() if name.startswith(head))
+    fraction = 1.0 if causal else 0.25
+    expected = (model_flops_per_token(cfg, built_model_dims(net.config))
+                - 6 * (sum(vectors.values()) - (1 - fraction) * head_vectors))
+    if not causal:
+        expected += 2 * 128 * fraction  # the bias gradient's matmul
+    assert counter.get_total_flops() / ids.numel() == pytest.approx(expected, rel=1e-12)
+
+
+def test_local_attention_layers_count_their_window():
+    """ModernBERT: layers 0 and 3 of 4 attend to all 512 keys, layers 1 and 2 to 129 (the
+    position and 64 on each side); a block shorter than the window is attended whole."""
+    from hvdtrain.models.modernbert import attended_keys
+    assert attended_keys(512, n_layer=4, local_attention=128, global_every=3) == 2 * 512 + 2 * 129
+    assert attended_keys(64, n_layer=4, local_attention=128, global_every=3) == 4 * 64
+    cfg = config_from_dict({"model": {"arch": "modernbert", "n_layer": 4, "n_head": 4, "d_model": 64},
+                            "data": {"seq_len": 512}})
+    dims = model_dims(cfg)
+    assert (dims["local_attention"], dims["global_every"]) == (128, 3)  # the defaults, ModernBERT-base's
+    n = flops_params(**dims, head_fraction=0.15)
+    assert model_flops_per_token(cfg) == flops_per_token(n, 4, 64, 512) - 12 * 64 * 2 * (512 - 129)

@@ -10,7 +10,8 @@ import subprocess
 
 import pytest
 import torch
-from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
+from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          ModernBertConfig, ModernBertForMaskedLM)
 
 from helpers import BIN, OFFLINE
 from hvdtrain.config import ModelConfig
@@ -39,6 +40,19 @@ def model_folder(folder, arch: str):
     torch.manual_seed(0)
     if arch == "gpt2":
         model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2, n_positions=32))
+    elif arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=1, intermediate_size=32,
+                                             max_position_embeddings=32))
+    elif arch == "modernbert":
+        model = ModernBertForMaskedLM(ModernBertConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=2,
+                                                       num_attention_heads=2, intermediate_size=24,
+                                                       max_position_embeddings=32, local_attention=8,
+                                                       pad_token_id=tokenizer.pad_token_id,
+                                                       cls_token_id=tokenizer.cls_token_id,
+                                                       sep_token_id=tokenizer.sep_token_id,
+                                                       bos_token_id=tokenizer.cls_token_id,
+                                                       eos_token_id=tokenizer.sep_token_id))
     else:
         model = BertForMaskedLM(BertConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1,
                                            num_attention_heads=2, intermediate_size=32, max_position_embeddings=32))
@@ -71,7 +85,8 @@ def with_custom_code(folder, marker):
 
 
 TRAPS = {"pickled weights": with_pickled_weights, "custom code": with_custom_code}
-COMMANDS = {"gpt2": ["generate", "Once", "--max-new-tokens", "3"], "bert": ["fill-mask", "the [MASK] fox"]}
+COMMANDS = {"gpt2": ["generate", "Once", "--max-new-tokens", "3"], "bert": ["fill-mask", "the [MASK] fox"],
+            "llama": ["generate", "Once", "--max-new-tokens", "3"], "modernbert": ["fill-mask", "the [MASK] fox"]}
 
 
 def run_closed_stdin(args) -> subprocess.CompletedProcess:
@@ -82,7 +97,7 @@ def run_closed_stdin(args) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.workers
-@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+@pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "modernbert"])
 def test_generate_and_fill_mask_load_a_clean_folder(tmp_path, arch):
     proc = run_closed_stdin([COMMANDS[arch][0], model_folder(tmp_path / "model", arch), *COMMANDS[arch][1:]])
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -90,7 +105,7 @@ def test_generate_and_fill_mask_load_a_clean_folder(tmp_path, arch):
 
 @pytest.mark.workers
 @pytest.mark.parametrize("trap", TRAPS)
-@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+@pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "modernbert"])
 def test_generate_and_fill_mask_never_unpickle_nor_run_the_folder_s_code(tmp_path, arch, trap):
     marker = tmp_path / "marker"
     folder = TRAPS[trap](model_folder(tmp_path / "model", arch), marker)
@@ -103,7 +118,7 @@ def test_generate_and_fill_mask_never_unpickle_nor_run_the_folder_s_code(tmp_pat
 
 
 @pytest.mark.parametrize("trap", TRAPS)
-@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+@pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "modernbert"])
 def test_model_pretrained_never_unpickles_nor_runs_the_folder_s_code(tmp_path, arch, trap, capsys):
     marker = tmp_path / "marker"
     folder = TRAPS[trap](model_folder(tmp_path / "model", arch), marker)
@@ -113,7 +128,7 @@ def test_model_pretrained_never_unpickles_nor_runs_the_folder_s_code(tmp_path, a
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+@pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "modernbert"])
 def test_export_reads_a_checkpoint_s_config_without_its_code(tmp_path, arch, capsys):
     """A checkpoint folder's config.json with auto_map: the code is neither asked for nor run."""
     marker = tmp_path / "marker"
@@ -137,7 +152,8 @@ def test_a_pretrained_tokenizer_never_runs_the_folder_s_code(tmp_path, capsys):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("arch,folder_arch", [("gpt2", "bert"), ("bert", "gpt2")])
+@pytest.mark.parametrize("arch,folder_arch", [("gpt2", "bert"), ("bert", "gpt2"), ("llama", "gpt2"), ("gpt2", "llama"),
+                                              ("modernbert", "bert"), ("bert", "modernbert")])
 def test_a_pretrained_folder_of_another_family_is_refused(tmp_path, arch, folder_arch):
     folder = model_folder(tmp_path / "model", folder_arch)
     with pytest.raises(UserError, match=f"model.pretrained '{folder}'") as refused:

@@ -26,7 +26,9 @@ TWO_STAGES = ["gpt2-gpipe-hooks", "gpt2-1f1b-hooks", "bert-gpipe-hooks", "bert-1
 TWO_BY_TWO = ["gpt2-1f1b-hooks", "gpt2-gpipe-after"]
 # (embedding on the first stage, its tied copy on the last)
 TIED = {"gpt2": ("transformer.wte.weight", "lm_head.weight"),
-        "bert": ("bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight")}
+        "bert": ("bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight"),
+        "llama": ("model.embed_tokens.weight", "lm_head.weight"),
+        "modernbert": ("model.embeddings.tok_embeddings.weight", "decoder.weight")}
 
 
 def launch(np: int, out_dir, stages: int, cases: list[str]):
@@ -158,12 +160,13 @@ def tiny(arch: str, n_layer: int = 4):
                        Vocab(size=100, pad_id=0), 16)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+@pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "modernbert"])
 @pytest.mark.parametrize("stages,per_rank", [(2, 1), (2, 2), (4, 1)])
 def test_stages_chained_compute_the_whole_model(arch, stages, per_rank):
     """Running every rank's chunks in stage order gives the unsplit model's logits (to fp32
     rounding: the stages call the blocks themselves, without the whole model's mask handling,
-    which may pick other attention kernels), and the stages' state dicts together are the whole
+    which may pick other attention kernels; Llama's and ModernBERT's stages each compute the
+    rotary embeddings, ModernBERT's also the local attention masks), and the stages' state dicts together are the whole
     model's, under the same names."""
     whole = tiny(arch)
     bounds = pipeline.stage_bounds(4, stages, per_rank)

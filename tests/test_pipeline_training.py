@@ -15,8 +15,15 @@ pytestmark = pytest.mark.workers
 # A global batch of 8 = micro batch 2 x 4 micro batches (the schedule's m) x copies.
 PIPE = {"model": {"n_layer": 4}, "train": {"micro_batch_size": 2, "global_batch_size": 8, "lr": 1e-3,
                                            "max_steps": 4, "grad_clip": 0.5}}
-TIED = {"gpt2": ("transformer.wte.weight", "lm_head.weight"),
-        "bert": ("bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight")}
+# The models compared, and the names of their tied embedding and output matrix (None: untied)
+MODELS = {"gpt2": ({"arch": "gpt2"}, ("transformer.wte.weight", "lm_head.weight")),
+          "bert": ({"arch": "bert"}, ("bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight")),
+          # the rotary embedding on both stages; grouped-query attention
+          "llama": ({"arch": "llama", "n_kv_head": 1}, ("model.embed_tokens.weight", "lm_head.weight")),
+          "llama-untied": ({"arch": "llama", "tie_embeddings": False}, None),
+          # local layers (1 and 2 of 4) attend to 8 of the 16 positions
+          "modernbert": ({"arch": "modernbert", "local_attention": 8},
+                         ("model.embeddings.tok_embeddings.weight", "decoder.weight"))}
 
 
 def whole_model(out_dir, ranks) -> dict:
@@ -35,20 +42,24 @@ def assert_close_params(reference: dict, params: dict, atol=1e-5):
 
 @pytest.fixture(scope="module")
 def one_worker(tmp_path_factory):
-    """The unsplit reference runs, one per architecture."""
+    """The unsplit reference run of one of MODELS, run when a test first asks for it."""
     from helpers import write_config
     runs = {}
-    for arch in ("gpt2", "bert"):
-        folder = tmp_path_factory.mktemp(f"one-{arch}")
-        config = write_config(folder / "config.yaml", {**PIPE, "model": {"arch": arch, "n_layer": 4}})
-        train_workers(1, config, f"out_dir={folder / 'run'}")
-        runs[arch] = (config, folder / "run")
-    return runs
+
+    def reference(name):
+        if name not in runs:
+            folder = tmp_path_factory.mktemp(f"one-{name}")
+            config = write_config(folder / "config.yaml", {**PIPE, "model": {**MODELS[name][0], "n_layer": 4}})
+            train_workers(1, config, f"out_dir={folder / 'run'}")
+            runs[name] = (config, folder / "run")
+        return runs[name]
+    return reference
 
 
-@pytest.mark.parametrize("arch,schedule", [("gpt2", "gpipe"), ("gpt2", "1f1b"), ("bert", "1f1b"), ("bert", "gpipe")])
+@pytest.mark.parametrize("arch,schedule", [("gpt2", "gpipe"), ("gpt2", "1f1b"), ("bert", "1f1b"), ("bert", "gpipe"),
+                                           ("llama", "1f1b"), ("llama-untied", "gpipe"), ("modernbert", "1f1b")])
 def test_two_stages_equal_one_worker(tmp_path, one_worker, arch, schedule):
-    config, reference = one_worker[arch]
+    config, reference = one_worker(arch)
     out = tmp_path / "pp2"
     train_workers(2, config, f"out_dir={out}", "parallel.pipeline_stages=2", f"parallel.schedule={schedule}")
     assert_same_losses(step_losses(reference), step_losses(out), min_steps=4)
@@ -57,8 +68,12 @@ def test_two_stages_equal_one_worker(tmp_path, one_worker, arch, schedule):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
     stages = whole_model(out, [0, 1])
     assert_close_params(load_params(reference, 0), stages)
-    embedding, head = TIED[arch]
-    assert torch.equal(load_params(out, 0)[embedding], load_params(out, 1)[head])  # tied copies bitwise equal
+    ties = MODELS[arch][1]
+    if ties:
+        embedding, head = ties
+        assert torch.equal(load_params(out, 0)[embedding], load_params(out, 1)[head])  # tied copies bitwise equal
+    else:  # each matrix on its own stage only
+        assert "lm_head.weight" not in load_params(out, 0) and "model.embed_tokens.weight" not in load_params(out, 1)
 
 
 def test_two_stages_times_two_copies_equal_two_copies(tmp_path, tiny_config):

@@ -41,3 +41,33 @@ def test_13b_pipeline_recipe_fits_80_gb_in_8_stages_on_64_gpus():
     assert chosen["bubble"] == pytest.approx(7 / 135)
     h200 = plan(cfg, gpus=64, gpu="H200", pp=4)["pipeline"]["chosen"]
     assert h200["fits"] and h200["largest"] < 66 * GIB
+
+
+def test_llama_1b_recipe_is_llama_3_2_1b_and_fits_80_gb_without_stages():
+    """What recipes/llama-1b.yaml's comments promise (`hvdtrain plan ... --gpus 8`)."""
+    cfg = load_config(str(RECIPES[0].parent / "llama-1b.yaml"))
+    p = plan(cfg, gpus=8, gpu="H100")
+    assert p["model"]["params"] == 1_235_814_400  # Llama 3.2 1B's published count
+    assert p["memory"]["fits"] and p["memory"]["total"] < 53 * GIB
+
+
+def test_llama_8b_recipe_is_llama_3_8b_and_fits_80_gb_in_4_stages_on_32_gpus():
+    """What recipes/llama-8b-pipeline.yaml's comments promise (`hvdtrain plan ... --gpus 32 --pp 4`)."""
+    cfg = load_config(str(RECIPES[0].parent / "llama-8b-pipeline.yaml"))
+    p = plan(cfg, gpus=32, gpu="H100", pp=4)
+    assert p["model"]["params"] == 8_030_261_248  # Llama 3 8B's published count (untied)
+    assert not p["memory"]["fits"]
+    chosen = p["pipeline"]["chosen"]
+    assert chosen["fits"] and chosen["largest"] < 56 * GIB
+    assert (chosen["copies"], chosen["microbatches"], chosen["runs"]) == (8, 32, 1)
+    assert chosen["tied_s"] == 0.0  # untied: no embedding gradient to sum between the ends
+    h200 = plan(cfg, gpus=32, gpu="H200", pp=2)["pipeline"]["chosen"]
+    assert h200["fits"] and h200["largest"] < 88 * GIB
+
+
+def test_modernbert_base_recipe_is_modernbert_base_and_fits_40_gb():
+    """What recipes/modernbert-base.yaml's comments promise (`hvdtrain plan ... --gpus 8`)."""
+    cfg = load_config(str(RECIPES[0].parent / "modernbert-base.yaml"))
+    p = plan(cfg, gpus=8, gpu="H100")
+    assert p["model"]["params"] == 149_655_232  # ModernBERT-base's published count
+    assert p["memory"]["fits"] and p["memory"]["total"] < 31 * GIB

@@ -20,9 +20,31 @@ tok = AutoTokenizer.from_pretrained(sys.argv[1])
 print(type(model).__name__, len(tok))
 """
 
+# transformers' own text-generation pipeline on the folder, without hvdtrain
+PIPELINE_GENERATES = """
+import sys
+sys.modules["hvdtrain"] = None
+from transformers import pipeline
+out = pipeline("text-generation", model=sys.argv[1])("The Python language", max_new_tokens=10, do_sample=False)
+print(out[0]["generated_text"])
+"""
 
-@pytest.mark.parametrize("recipe,kind,steps", [("gpt-tiny", "CausalLM", 40), ("bert-tiny", "MaskedLM", 40)])
-def test_tiny_recipe_trains_exports_and_runs(tmp_path, recipe, kind, steps):
+# transformers' own fill-mask pipeline on the folder, without hvdtrain: its guesses as JSON
+# (a byte-level tokenizer may guess a line break)
+PIPELINE_FILLS_MASK = """
+import json, sys
+sys.modules["hvdtrain"] = None
+from transformers import pipeline
+fill = pipeline("fill-mask", model=sys.argv[1])
+print(json.dumps([g["sequence"] for g in fill(f"the {fill.tokenizer.mask_token} statement is used in a loop.", top_k=3)]))
+"""
+
+
+@pytest.mark.parametrize("recipe,kind,model_class,steps", [("gpt-tiny", "CausalLM", "GPT2LMHeadModel", 40),
+                                                           ("bert-tiny", "MaskedLM", "BertForMaskedLM", 40),
+                                                           ("llama-tiny", "CausalLM", "LlamaForCausalLM", 40),
+                                                           ("modernbert-tiny", "MaskedLM", "ModernBertForMaskedLM", 40)])
+def test_tiny_recipe_trains_exports_and_runs(tmp_path, recipe, kind, model_class, steps):
     out = tmp_path / "run"
     proc = hvdtrain("launch", "-np", "2", REPO / "recipes" / f"{recipe}.yaml", f"out_dir={out}",
                     f"train.max_steps={steps}", "train.warmup_steps=10", "checkpoint.every=20", "eval.every=20",
@@ -37,16 +59,23 @@ def test_tiny_recipe_trains_exports_and_runs(tmp_path, recipe, kind, steps):
     assert hvdtrain("export", out, exported).returncode == 0
     check = run_cmd([sys.executable, "-c", LOADS_WITHOUT_HVDTRAIN.format(kind=kind), exported])
     assert check.returncode == 0, check.stderr[-2000:]
-    assert check.stdout.startswith("GPT2LMHeadModel" if kind == "CausalLM" else "BertForMaskedLM")
+    assert check.stdout.startswith(model_class)
 
     if kind == "CausalLM":
         proc = hvdtrain("generate", exported, "The Python language", "--max-new-tokens", "20")
         assert proc.returncode == 0 and proc.stdout.startswith("The Python language"), proc.stderr[-2000:]
         assert len(proc.stdout.split()) > 3
+        generated = run_cmd([sys.executable, "-c", PIPELINE_GENERATES, exported])
+        assert generated.returncode == 0 and generated.stdout.startswith("The Python language"), \
+            generated.stderr[-2000:]
     else:
         proc = hvdtrain("fill-mask", exported, "the [MASK] statement is used in a loop.")
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert len(proc.stdout.strip().splitlines()) == 5
+        filled = run_cmd([sys.executable, "-c", PIPELINE_FILLS_MASK, exported])
+        assert filled.returncode == 0, filled.stderr[-2000:]
+        guesses = json.loads(filled.stdout.strip().splitlines()[-1])
+        assert len(guesses) == 3 and all(g.endswith("statement is used in a loop.") for g in guesses), guesses
 
 
 def test_tiny_pipeline_recipe_trains_in_two_stages(tmp_path):
@@ -73,8 +102,8 @@ def test_tiny_pipeline_recipe_trains_in_two_stages(tmp_path):
     assert check.returncode == 0 and check.stdout.startswith("GPT2LMHeadModel"), check.stderr[-2000:]
 
 
-@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
-def test_local_corpus_and_tokenization_cache(tmp_path, suffix):
+@pytest.mark.parametrize("recipe,suffix", [("gpt-tiny", ".txt"), ("gpt-tiny", ".jsonl"), ("llama-tiny", ".txt")])
+def test_local_corpus_and_tokenization_cache(tmp_path, recipe, suffix):
     from hvdtrain.data.text import builtin_corpus
     docs = [d for d in builtin_corpus()["text"][:40]]
     corpus = tmp_path / f"corpus{suffix}"
@@ -83,7 +112,7 @@ def test_local_corpus_and_tokenization_cache(tmp_path, suffix):
     else:
         corpus.write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
     column = "data.text_column=" + ("text" if suffix == ".txt" else "body")
-    args = ["train", REPO / "recipes" / "gpt-tiny.yaml", f"data.source={corpus}", column,
+    args = ["train", REPO / "recipes" / f"{recipe}.yaml", f"data.source={corpus}", column,
             "data.vocab_size=512", "data.seq_len=32", "train.max_steps=2", "train.micro_batch_size=2",
             "train.global_batch_size=null", "data.num_workers=0", "eval.batches=1", "log.progress=false",
             f"data.cache_dir={tmp_path / 'cache'}"]

@@ -1,8 +1,10 @@
 """The tokenizer: trained on a sample of the corpus (`data.tokenizer: train`) or a pretrained one.
 
 A trained tokenizer follows its family's convention (hvdtrain.models: its `tokenizer` kind
-and `special_tokens`): byte-level BPE with `<|endoftext|>` for GPT-2, lowercase WordPiece with
-[PAD] [UNK] [CLS] [SEP] [MASK] for BERT. It learns from a bounded sample (`tokenizer_sample`), so training takes the same time
+and `special_tokens`): byte-level BPE with `<|endoftext|>` for GPT-2, the same with Llama 3's
+`<|begin_of_text|>` (put before every text it encodes) and `<|end_of_text|>` for Llama,
+lowercase WordPiece with [PAD] [UNK] [CLS] [SEP] [MASK] for BERT, and cased byte-level BPE with
+the same five for ModernBERT. It learns from a bounded sample (`tokenizer_sample`), so training takes the same time
 and memory for a corpus of a megabyte or a terabyte. Training is cached on disk, keyed by the
 corpus and the sample, so only the first process on a host trains and the others load the result.
 """
@@ -11,7 +13,7 @@ import logging
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from hvdtrain.config import DataConfig
@@ -37,8 +39,15 @@ def train_tokenizer(batches: Iterable[list[str]], arch: str, vocab_size: int) ->
     else:
         raise ValueError(f"no tokenizer recipe {spec.tokenizer!r} (model.arch {arch})")
     tokenizer.train_from_iterator(batches, trainer)
-    if "cls_token" in special:  # the template needs the ids, which exist only after training
+    # The templates need the ids, which exist only after training.
+    if "cls_token" in special:
         tokenizer.post_processor = _cls_sep_template(tokenizer, special["cls_token"], special["sep_token"])
+    elif special.get("bos_token", special.get("eos_token")) != special.get("eos_token"):
+        tokenizer.post_processor = _bos_template(tokenizer, special["bos_token"])
+    if spec.tokenizer == "byte-level-bpe" and "mask_token" in special:
+        # Bytes keep spaces, so the mask takes the space before it (as ModernBERT's tokenizer
+        # does): in "the [MASK] fox" it stands for " word", one token as the model learnt it.
+        tokenizer.add_special_tokens([AddedToken(special["mask_token"], lstrip=True, special=True)])
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **special)
 
 
@@ -125,6 +134,14 @@ def _wordpiece(unk_token: str) -> Tokenizer:
 def _wordpiece_trainer(vocab_size: int, special_tokens: list[str]) -> trainers.WordPieceTrainer:
     return trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
                                      continuing_subword_prefix="##", show_progress=False)
+
+
+def _bos_template(tokenizer: Tokenizer, bos: str) -> processors.Sequence:
+    """BOS A (BOS B): what `tokenizer(text)` adds, as Llama 3's tokenizer does, after the
+    byte-level offsets."""
+    template = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1",
+                                             special_tokens=[(bos, tokenizer.token_to_id(bos))])
+    return processors.Sequence([processors.ByteLevel(trim_offsets=False), template])
 
 
 def _cls_sep_template(tokenizer: Tokenizer, cls: str, sep: str) -> processors.TemplateProcessing:

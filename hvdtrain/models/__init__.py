@@ -1,6 +1,7 @@
 """The model families hvdtrain trains, one folder each, and the registry that names them.
 
-A family folder holds everything that differs between, say, GPT-2 and BERT:
+A family folder holds everything that differs between, say, GPT-2 and BERT (the families:
+GPT-2, BERT, Llama, ModernBERT):
   * `<family>/__init__.py` (no torch import, so `hvdtrain plan` and config checks start fast):
     a `Family` with the training objective, the tokenizer it trains, and its parameter counts
     for FLOPs, MFU and the planner;
@@ -20,6 +21,8 @@ from typing import Callable, Optional
 FAMILIES = {
     "gpt2": "hvdtrain.models.gpt2",
     "bert": "hvdtrain.models.bert",
+    "llama": "hvdtrain.models.llama",
+    "modernbert": "hvdtrain.models.modernbert",
 }
 NAMES = tuple(FAMILIES)
 
@@ -32,8 +35,9 @@ def transformer_layer(d: int, f: int) -> int:
 
 @dataclass(frozen=True)
 class ParameterCounts:
-    """A family's parameters by part, for a model of width d, MLP width f, vocabulary v and
-    max_position positions, as `sum(p.numel() for p in model.parameters())` counts them."""
+    """A family's parameters by part, for a model of width d, MLP width f, vocabulary v,
+    max_position positions and key/value projections kv_width wide (d, but smaller with
+    grouped-query attention), as `sum(p.numel() for p in model.parameters())` counts them."""
     layer: int           # one transformer layer
     embeddings: int      # everything before the first layer (tables and their norms)
     lookups: int         # the tables among `embeddings` (no matmul: they do not count as FLOPs)
@@ -49,12 +53,22 @@ class Family:
     auto_class: str             # the transformers Auto class of a pretrained model
     special_tokens: dict        # a trained tokenizer's special tokens (transformers names)
     tokenizer: str              # the kind of tokenizer trained for it: "byte-level-bpe" or "wordpiece"
-    # parameter_counts(d_model, d_ff, vocab_size, max_position)
-    parameter_counts: Callable[[int, int, int, int], ParameterCounts]
-    # (n_layer, d_model, d_ff, vocab_size, max_position, tied_embeddings) of a transformers config
+    # parameter_counts(d_model, d_ff, vocab_size, max_position, kv_width)
+    parameter_counts: Callable[[int, int, int, int, int], ParameterCounts]
+    # (n_layer, d_model, d_ff, vocab_size, max_position, tied_embeddings[, kv_width][, the
+    # attention layout: ModernBERT's local_attention, global_every]) of a transformers config
     shape_of: Callable[[object], dict]
     tensors_per_layer: int      # parameter tensors per layer: the allreduce count with tensor fusion off
     other_tensors: int          # parameter tensors outside the layers (embeddings, head)
+    # The family's own model.* keys (e.g. Llama's n_kv_head); another family's knob set for
+    # this family is a config error.
+    knobs: tuple = ()
+    # attended_keys(seq_len, **shape_of's dict): the keys each query attends to, summed over
+    # the layers (the attention term of the FLOPs); every key in every layer by default
+    attended_keys: Callable[..., int] = lambda seq_len, n_layer, **shape: n_layer * seq_len
+    # attention_shape(model config section): those of shape_of's keys that describe the layout
+    # of the attention (ModernBERT's local window), for a model described by the config
+    attention_shape: Callable[[object], dict] = lambda model: {}
 
     @property
     def objective(self) -> str:
@@ -68,6 +82,15 @@ class Family:
 def family(arch: str) -> Family:
     """The family `model.arch` names (the config has checked it is one of NAMES)."""
     return importlib.import_module(FAMILIES[arch]).FAMILY
+
+
+def knob_owners() -> dict[str, tuple]:
+    """The model.* keys that only some families have (Family.knobs) -> those families."""
+    owners = {}
+    for arch in FAMILIES:
+        for knob in family(arch).knobs:
+            owners[knob] = owners.get(knob, ()) + (arch,)
+    return owners
 
 
 def family_of_model_type(model_type: str) -> Optional[Family]:
@@ -86,15 +109,24 @@ def family_of(model) -> Family:
     return found
 
 
+def no_layer_inputs(stage, hidden) -> Callable:
+    """StageParts.layer_inputs of a family whose layers take the hidden states alone."""
+    return lambda layer: {}
+
+
 @dataclass(frozen=True)
 class StageParts:
     """How a pipeline stage (hvdtrain.parallel.pipeline.StageModule) is cut from a family's model: the
     module paths it keeps or drops and the steps around the layers. `embed(stage, input_ids)`,
-    `final_norm(stage, hidden)` and `head_logits(stage, hidden, labels)` get the stage, which
-    holds the model's own top-level modules."""
+    `final_norm(stage, hidden)`, `head_logits(stage, hidden, labels)` and
+    `layer_inputs(stage, hidden)` get the stage, which holds the model's own top-level modules."""
     layers: str               # path of the layer ModuleList
     first_only: tuple         # modules only the first stage keeps
     last_only: tuple          # modules only the last stage keeps
     embed: Callable           # input_ids -> hidden states before the first layer
     final_norm: Callable      # hidden states after the last layer -> the head's inputs
     head_logits: Callable     # -> flat (positions, vocab) logits and their labels
+    # -> a function from a layer to the keyword arguments it gets besides the hidden states,
+    # computed once per stage from the stage's input (e.g. Llama's rotary position embeddings;
+    # ModernBERT's masks and rotary embeddings, which depend on the kind of layer)
+    layer_inputs: Callable = no_layer_inputs

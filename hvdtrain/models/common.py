@@ -1,10 +1,11 @@
 """The models hvdtrain trains, built with Hugging Face transformers, and the training loss.
 
-A model of the family `model.arch` names (hvdtrain.models: GPT-2, BERT) is built from the
-config for training from scratch, or loaded from `model.pretrained` to continue pretraining, in
-two steps (`model_blueprint`, hvdtrain.models.model_build): the model with its parameters on
-the meta device, then the part a rank keeps made real (the whole model, or its pipeline stage).
-Attention goes through PyTorch's scaled_dot_product_attention. The training loss is summed here
+A model of the family `model.arch` names (hvdtrain.models: GPT-2, BERT, Llama, ModernBERT) is
+built from the config for training from scratch, or loaded from `model.pretrained` to continue
+pretraining, in two steps (`model_blueprint`, hvdtrain.models.model_build): the model with its
+parameters on the meta device, then the part a rank keeps made real (the whole model, or its
+pipeline stage). Attention goes through PyTorch's scaled_dot_product_attention. The training
+loss is summed here
 (`token_loss_sum`), so it can normalise by the number of targets in the whole optimizer step.
 """
 import os
@@ -96,7 +97,7 @@ def transformer_blocks(model) -> torch.nn.ModuleList:
 
 
 def model_body(model) -> torch.nn.Module:
-    """Everything before the output head (GPT2Model, BertModel)."""
+    """Everything before the output head (GPT2Model, BertModel, LlamaModel, ModernBertModel)."""
     return family_of(model).modeling().body(model)
 
 

@@ -19,7 +19,11 @@ def model_dims(cfg) -> dict:
     max_position: data.seq_len): keyword arguments for count_params and flops_params."""
     m = cfg.model
     return dict(arch=m.arch, n_layer=m.n_layer, d_model=m.d_model, d_ff=m.d_ff or 4 * m.d_model,
-                vocab_size=cfg.data.vocab_size, max_position=m.max_position or cfg.data.seq_len)
+                vocab_size=cfg.data.vocab_size, max_position=m.max_position or cfg.data.seq_len,
+                # every family ties by default (Llama: its model.tie_embeddings knob)
+                tied_embeddings=True if m.tie_embeddings is None else m.tie_embeddings,
+                kv_width=(m.n_kv_head or m.n_head) * (m.d_model // m.n_head),
+                **family(m.arch).attention_shape(m))
 
 
 def built_model_dims(config) -> Optional[dict]:
@@ -34,27 +38,31 @@ def built_model_dims(config) -> Optional[dict]:
 
 
 def count_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: int, max_position: int,
-                 tied_embeddings: bool = True) -> int:
+                 tied_embeddings: bool = True, kv_width: Optional[int] = None, **attention) -> int:
     """Parameters of the family's model (e.g. HF GPT2LMHeadModel), counted as
-    `sum(p.numel() for p in model.parameters())` counts them (a tied weight once)."""
-    parts = family(arch).parameter_counts(d_model, d_ff, vocab_size, max_position)
+    `sum(p.numel() for p in model.parameters())` counts them (a tied weight once). kv_width:
+    the width of the key and value projections (null: d_model; smaller with grouped-query
+    attention). `attention`: the layout of local and global layers (ModernBERT's
+    local_attention and global_every), which changes no parameter count."""
+    parts = family(arch).parameter_counts(d_model, d_ff, vocab_size, max_position, kv_width or d_model)
     untied_output = 0 if tied_embeddings else parts.untied_output
     return parts.embeddings + n_layer * parts.layer + parts.head + untied_output
 
 
 def stage_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: int, max_position: int,
-                 bounds: list[int], head_fraction: float = 1.0) -> list[dict]:
-    """Parameters of each pipeline stage of a model with tied embeddings (hvdtrain's models),
-    split at the layer `bounds` of hvdtrain.parallel.pipeline_plan.stage_bounds: stage i owns layers
+                 bounds: list[int], head_fraction: float = 1.0, tied_embeddings: bool = True,
+                 kv_width: Optional[int] = None, **attention) -> list[dict]:
+    """Parameters of each pipeline stage of a model with tied (or untied) embeddings, split
+    at the layer `bounds` of hvdtrain.parallel.pipeline_plan.stage_bounds: stage i owns layers
     bounds[i] .. bounds[i+1]-1, the first stage also the embeddings, the last one the head.
 
     For each stage, "layers" (how many), "params" (as its StageModule counts them) and
     "flops_params" (its share of flops_params' N). With more than one stage the last stage holds
     its own copy of the tied embedding/output matrix (hvdtrain.parallel.pipeline keeps the copies equal),
-    so the stages hold V·d more parameters than the model; with one stage both counts are those
-    of count_params and flops_params. The head (e.g. GPT-2's ln_f and lm_head; BERT's MLM
+    so the stages hold V·d more parameters than the model (untied: the last stage's own output
+    matrix); with one stage both counts are those of count_params and flops_params. The head (e.g. GPT-2's ln_f and lm_head; BERT's MLM
     transform, decoder and bias) counts with `head_fraction` in flops_params, as there."""
-    parts = family(arch).parameter_counts(d_model, d_ff, vocab_size, max_position)
+    parts = family(arch).parameter_counts(d_model, d_ff, vocab_size, max_position, kv_width or d_model)
     v, d = vocab_size, d_model
     n = len(bounds) - 1
     stages = []
@@ -66,7 +74,7 @@ def stage_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: i
             flops_n += parts.embeddings - parts.lookups  # e.g. BERT's embedding LayerNorm
         if i == n - 1:
             # the output matrix: the embedding itself on a single stage, else the last stage's copy
-            params += parts.head + (v * d if n > 1 else 0)
+            params += parts.head + (parts.untied_output if not tied_embeddings else v * d if n > 1 else 0)
             flops_n += head_fraction * (parts.head + v * d)
         stages.append({"layers": layers, "params": params, "flops_params": flops_n})
     return stages
@@ -80,7 +88,8 @@ def head_fraction(cfg) -> float:
 
 
 def flops_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: int, max_position: int,
-                 tied_embeddings: bool = True, head_fraction: float = 1.0) -> float:
+                 tied_embeddings: bool = True, head_fraction: float = 1.0, kv_width: Optional[int] = None,
+                 **attention) -> float:
     """N in the 6N term: the parameters every token multiplies with.
 
     That is all parameters except the lookup tables (position and token-type embeddings, and
@@ -92,8 +101,8 @@ def flops_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: i
     The output head (GPT-2's lm_head; BERT's MLM transform, decoder and its bias) counts with
     `head_fraction`, the share of positions it runs on (see head_fraction(cfg)).
     """
-    total = count_params(arch, n_layer, d_model, d_ff, vocab_size, max_position, tied_embeddings)
-    parts = family(arch).parameter_counts(d_model, d_ff, vocab_size, max_position)
+    total = count_params(arch, n_layer, d_model, d_ff, vocab_size, max_position, tied_embeddings, kv_width)
+    parts = family(arch).parameter_counts(d_model, d_ff, vocab_size, max_position, kv_width or d_model)
     # The token table is the output projection when tied: a matmul, not a lookup. Untied, the
     # input table is a lookup and the separate output projection stays.
     lookups = parts.lookups - (vocab_size * d_model if tied_embeddings else 0)
@@ -101,16 +110,21 @@ def flops_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: i
     return total - lookups - (1 - head_fraction) * head
 
 
-def flops_per_token(n_params: float, n_layer: int, d_model: int, seq_len: int) -> float:
+def flops_per_token(n_params: float, n_layer: int, d_model: int, seq_len: int,
+                    attended_keys: Optional[int] = None) -> float:
     """Training FLOPs per token: 6N + 12·L·H·Q·T (PaLM appendix B; nanoGPT's estimate_mfu).
 
     6N: forward 2N (a multiply and an add per parameter), backward 4N (gradients of inputs and
     of weights). 12·L·H·Q·T: per layer and token, the attention scores QK^T and the weighted
     sum of the values are T·d multiply-adds (2·T·d FLOPs) each in the forward, x3 for forward
     + backward; H·Q (heads x head size) = d_model. Pass N = flops_params(...). Causal masking
-    is not discounted (PaLM's convention).
+    is not discounted (PaLM's convention). L·T is `attended_keys` when given: the keys each
+    query attends to summed over the layers, fewer than L·T where layers attend to a local
+    window (ModernBERT; the FLOPs of the attention the model needs, not of a masked kernel).
+    Grouped-query attention changes nothing here: every query head still scores T keys.
     """
-    return 6.0 * n_params + 12.0 * n_layer * d_model * seq_len
+    keys = n_layer * seq_len if attended_keys is None else attended_keys
+    return 6.0 * n_params + 12.0 * d_model * keys
 
 
 def model_flops_per_token(cfg, dims: Optional[dict] = None) -> float:
@@ -120,7 +134,9 @@ def model_flops_per_token(cfg, dims: Optional[dict] = None) -> float:
     if dims is None:
         dims = model_dims(cfg)
     n = flops_params(**dims, head_fraction=head_fraction(cfg))
-    return flops_per_token(n, dims["n_layer"], dims["d_model"], cfg.data.seq_len)
+    shape = {k: v for k, v in dims.items() if k != "arch"}
+    return flops_per_token(n, dims["n_layer"], dims["d_model"], cfg.data.seq_len,
+                           family(dims["arch"]).attended_keys(cfg.data.seq_len, **shape))
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_tflops_total: float) -> float:

@@ -243,8 +243,10 @@ class StageModule(nn.Module):
 
     def _run_stage(self, layer_ids: range, first: bool, last: bool, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x) if first else x
+        inputs = self.parts.layer_inputs(self, h)  # each layer's keyword arguments (rotary embeddings, masks)
         for i in layer_ids:
-            h = self.layers[str(i)](h)
+            layer = self.layers[str(i)]
+            h = layer(h, **inputs(layer))
             if isinstance(h, tuple):  # transformers 4.x blocks return tuples
                 h = h[0]
         return self.final_norm(h) if last else h

@@ -1,4 +1,4 @@
-"""Try a trained model: `hvdtrain generate` (GPT) and `hvdtrain fill-mask` (BERT).
+"""Try a trained model: `hvdtrain generate` (GPT-2, Llama) and `hvdtrain fill-mask` (BERT, ModernBERT).
 
 Both take a Hugging Face folder (from `hvdtrain export`, or OUT_DIR/hf after training).
 """
@@ -54,12 +54,13 @@ def run_fill_mask(args) -> int:
     if fill.tokenizer.mask_token not in args.text:
         raise UserError(f"the text must contain the mask token {fill.tokenizer.mask_token}")
     for guess in fill(args.text, top_k=args.top_k):
-        print(f"{guess['score']:.3f}  {guess['sequence']}")
+        # one guess a line: a byte-level tokenizer (ModernBERT's) may guess a line break
+        print(f"{guess['score']:.3f}  {guess['sequence']}".replace("\n", "\\n"))
     return 0
 
 
 def add_cli(sub):
-    p = sub.add_parser("generate", help="sample a continuation from a GPT model folder")
+    p = sub.add_parser("generate", help="sample a continuation from a causal LM folder (GPT-2, Llama)")
     p.add_argument("model")
     p.add_argument("prompt")
     p.add_argument("--max-new-tokens", type=int, default=50)
@@ -68,7 +69,7 @@ def add_cli(sub):
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run_generate)
 
-    p = sub.add_parser("fill-mask", help="predict the [MASK] token(s) with a BERT model folder")
+    p = sub.add_parser("fill-mask", help="predict the [MASK] token(s) with a masked LM folder (BERT, ModernBERT)")
     p.add_argument("model")
     p.add_argument("text")
     p.add_argument("--top-k", type=int, default=5)

@@ -444,7 +444,8 @@ def pipeline_plan(cfg, stages: int, gpus: int, budget: float, net_gbps: float, l
                             else tensors * sum(e - b for b, e in r["layers"]) + 4)
             comm_s = max(comm_s, ring_allreduce_seconds(nbytes, batches["copies"], net_gbps, latency_s, n_allreduces))
         exposed = comm_s if mode == "after" else exposed_comm_seconds(comm_s, 0.0, slot)
-        tied = ring_allreduce_seconds(4 * cfg.data.vocab_size * cfg.model.d_model, 2, net_gbps, latency_s)
+        tied = (ring_allreduce_seconds(4 * cfg.data.vocab_size * cfg.model.d_model, 2, net_gbps, latency_s)
+                if model_dims(cfg)["tied_embeddings"] else 0.0)  # untied (Llama 3 8B): nothing to sum
     step = compute + exposed + tied
     tokens_per_s = batches["global_batch"] * cfg.data.seq_len / step
     row.update(slot_s=slot, compute_s=compute, comm_s=comm_s, exposed_s=exposed, tied_s=tied, reduce=mode,

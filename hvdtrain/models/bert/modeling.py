@@ -32,11 +32,16 @@ def body(model) -> torch.nn.Module:
 
 def head_inputs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Only the masked positions go through the head (its transform and the projection): the
-    other ~85% would be computed and thrown away. When the batch carries `num_targets` (a
-    Python int, as the collator makes it), they are picked without the device-to-host copy
-    that sizing `hidden[mask]` costs."""
-    hidden = model.bert(input_ids=batch["input_ids"]).last_hidden_state.flatten(0, 1)
-    labels = batch["labels"].flatten()
+    other ~85% would be computed and thrown away."""
+    hidden, labels = masked_positions(model.bert(input_ids=batch["input_ids"]).last_hidden_state, batch)
+    return model.cls.predictions.transform(hidden), labels
+
+
+def masked_positions(hidden: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (targets, d_model) hidden states of a masked LM's labelled positions and their
+    labels. When the batch carries `num_targets` (a Python int, as the collator makes it),
+    they are picked without the device-to-host copy that sizing `hidden[mask]` costs."""
+    hidden, labels = hidden.flatten(0, 1), batch["labels"].flatten()
     picked = labels != IGNORE_INDEX
     index = None
     if isinstance(batch.get("num_targets"), int):
@@ -48,7 +53,7 @@ def head_inputs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, labels = hidden.index_select(0, index), labels.index_select(0, index)
     else:
         hidden, labels = hidden[picked], labels[picked]
-    return model.cls.predictions.transform(hidden), labels
+    return hidden, labels
 
 
 def _embed(stage, input_ids):
