@@ -12,14 +12,15 @@ Both answer the same calls, which the loop (hvdtrain.training.train.run_steps) m
 
     loss_sum = engine.forward_backward(micro_batches, timer)  # this rank's summed token losses
     engine.reduce_gradients()                     # every copy holds the reduced gradients
-    engine.normalize(global_targets)              # ... divided by the step's target tokens
+    engine.normalize(global_targets)              # ... divided by the step's target tokens (distributed.StepTotals)
     grad_norm = engine.clip_gradients(max_norm)   # unscaled, one norm, clipped
     engine.optimizer_step(guard, grad_norm)       # step, or skip on inf/NaN (all ranks alike)
     result = engine.evaluate(loader)              # the loss of every rank's validation slice
     engine.close()                                # at the run's end; collective
 
 A sharded optimizer (gradients reduce-scattered, each rank stepping its shard, parameters
-gathered) is a third variant of the same calls. Collective calls are tagged `# Horovod:` (or
+gathered) is a third variant of the same calls: a subclass of PlainStep that replaces
+reduce_gradients, normalize, clip_gradients and optimizer_step. Collective calls are tagged `# Horovod:` (or
 `# torch.distributed:` along a pipeline).
 """
 import math
