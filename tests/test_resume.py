@@ -13,10 +13,16 @@ pytestmark = pytest.mark.workers
 STEPS, HALF = 8, 4
 
 
-@pytest.mark.parametrize("optimizer,precision", [("adamw", "fp32"), ("lamb", "fp16")])
-def test_stop_and_resume_equals_straight_run(tmp_path, tiny_config, optimizer, precision):
+@pytest.mark.parametrize("optimizer,precision,model", [
+    ("adamw", "fp32", {}), ("lamb", "fp16", {}),
+    # grouped-query attention: both query heads share one key/value head
+    ("adamw", "fp32", {"arch": "llama", "n_kv_head": 1}),
+    # the second layer attends to 8 of the 16 positions
+    ("adamw", "fp32", {"arch": "modernbert", "local_attention": 8})],
+    ids=["adamw-fp32", "lamb-fp16", "llama", "modernbert"])
+def test_stop_and_resume_equals_straight_run(tmp_path, tiny_config, optimizer, precision, model):
     """LAMB under fp16: its step takes the GradScaler's found_inf itself, and its state resumes."""
-    config = tiny_config({"train": {"max_steps": STEPS, "optimizer": optimizer, "precision": precision},
+    config = tiny_config({"model": model, "train": {"max_steps": STEPS, "optimizer": optimizer, "precision": precision},
                           "checkpoint": {"every": 2, "keep": 2}})
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train_workers(2, config, f"out_dir={straight}")

@@ -110,16 +110,18 @@ def family_of(model) -> Family:
 
 
 def no_layer_inputs(stage, hidden) -> Callable:
-    """StageParts.layer_inputs of a family whose layers take the hidden states alone."""
+    """ModelParts.layer_inputs of a family whose layers take the hidden states alone."""
     return lambda layer: {}
 
 
 @dataclass(frozen=True)
-class StageParts:
-    """How a pipeline stage (hvdtrain.parallel.pipeline.StageModule) is cut from a family's model: the
-    module paths it keeps or drops and the steps around the layers. `embed(stage, input_ids)`,
-    `final_norm(stage, hidden)`, `head_logits(stage, hidden, labels)` and
-    `layer_inputs(stage, hidden)` get the stage, which holds the model's own top-level modules."""
+class ModelParts:
+    """Where a family's model keeps its parts, and how a pipeline stage
+    (hvdtrain.parallel.pipeline.StageModule) is cut from it: the module paths it keeps or drops
+    and the steps around the layers. `embed(stage, input_ids)`, `final_norm(stage, hidden)`,
+    `head_logits(stage, hidden, labels)` and `layer_inputs(stage, hidden)` get the stage, which
+    holds the model's own top-level modules."""
+    body: str                 # path of everything before the output head (e.g. GPT2Model)
     layers: str               # path of the layer ModuleList
     first_only: tuple         # modules only the first stage keeps
     last_only: tuple          # modules only the last stage keeps
@@ -130,3 +132,6 @@ class StageParts:
     # computed once per stage from the stage's input (e.g. Llama's rotary position embeddings;
     # ModernBERT's masks and rotary embeddings, which depend on the kind of layer)
     layer_inputs: Callable = no_layer_inputs
+    # a masked LM: path of the module its masked positions go through before the vocabulary
+    # projection (BERT's MLM transform); None: a causal LM, every position goes to the projection
+    masked_head: Optional[str] = None

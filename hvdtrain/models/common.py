@@ -93,12 +93,12 @@ def pretrained_blueprint(cfg: ModelConfig, seq_len: int) -> Blueprint:
 
 def transformer_blocks(model) -> torch.nn.ModuleList:
     """The repeated layers: the unit for torch.compile and activation checkpointing."""
-    return family_of(model).modeling().blocks(model)
+    return model.get_submodule(family_of(model).modeling().PARTS.layers)
 
 
 def model_body(model) -> torch.nn.Module:
     """Everything before the output head (GPT2Model, BertModel, LlamaModel, ModernBertModel)."""
-    return family_of(model).modeling().body(model)
+    return model.get_submodule(family_of(model).modeling().PARTS.body)
 
 
 # ---------------------------------------------------------------- switches for `bench compare`
@@ -151,9 +151,34 @@ def head_inputs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     `model.get_output_embeddings()` and their labels.
 
     Labels are already aligned with the model's outputs (the collator shifts causal LM
-    labels), so every family shares the loss. Which positions go through the head is the
-    family's choice (a masked LM projects only the masked ones)."""
-    return family_of(model).modeling().head_inputs(model, batch)
+    labels), so every family shares the loss. A causal LM projects every position; a masked LM
+    only the masked ones, through its head's own transform first (the family's
+    PARTS.masked_head): the other ~85% would be computed and thrown away."""
+    masked_head = family_of(model).modeling().PARTS.masked_head
+    hidden = model_body(model)(input_ids=batch["input_ids"]).last_hidden_state
+    if masked_head is None:
+        return hidden.flatten(0, 1), batch["labels"].flatten()
+    hidden, labels = masked_positions(hidden, batch)
+    return model.get_submodule(masked_head)(hidden), labels
+
+
+def masked_positions(hidden: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (targets, d_model) hidden states of a masked LM's labelled positions and their
+    labels. When the batch carries `num_targets` (a Python int, as the collator makes it),
+    they are picked without the device-to-host copy that sizing `hidden[mask]` costs."""
+    hidden, labels = hidden.flatten(0, 1), batch["labels"].flatten()
+    picked = labels != IGNORE_INDEX
+    index = None
+    if isinstance(batch.get("num_targets"), int):
+        try:
+            index = torch.nonzero_static(picked, size=batch["num_targets"]).squeeze(1)
+        except NotImplementedError:  # a device without the operator: the mask, with its copy
+            index = None
+    if index is not None:
+        hidden, labels = hidden.index_select(0, index), labels.index_select(0, index)
+    else:
+        hidden, labels = hidden[picked], labels[picked]
+    return hidden, labels
 
 
 def logits_and_labels(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -193,13 +193,13 @@ class StageModule(nn.Module):
     holds the original, the last stage a copy that starts equal; allreduce_tied_grads keeps
     them equal. Ties within one rank stay shared parameters.
 
-    What to keep and the steps around the layers are the family's (its modeling.STAGE)."""
+    What to keep and the steps around the layers are the family's (its modeling.PARTS)."""
 
     def __init__(self, model: nn.Module, layout: Layout, bounds: list[int]):
         super().__init__()
         if len(bounds) != layout.num_stages + 1:
             raise ValueError(f"{len(bounds)} layer bounds for {layout.num_stages} pipeline stages")
-        self.parts = parts = family_of(model).modeling().STAGE
+        self.parts = parts = family_of(model).modeling().PARTS
         ties = tied_names(model)
         owned = [i for s in layout.stage_ids for i in range(bounds[s], bounds[s + 1])]
         parent, name = self._parent(model, parts.layers)

@@ -5,7 +5,7 @@ from typing import Callable
 import torch
 
 from hvdtrain.config import ModelConfig
-from hvdtrain.models import StageParts
+from hvdtrain.models import ModelParts
 from hvdtrain.models.common import IGNORE_INDEX
 
 
@@ -22,40 +22,6 @@ def model_maker(cfg: ModelConfig, vocab, rows: int, positions: int, d_ff: int) -
     return partial(BertForMaskedLM, config)
 
 
-def blocks(model) -> torch.nn.ModuleList:
-    return model.bert.encoder.layer
-
-
-def body(model) -> torch.nn.Module:
-    return model.bert
-
-
-def head_inputs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Only the masked positions go through the head (its transform and the projection): the
-    other ~85% would be computed and thrown away."""
-    hidden, labels = masked_positions(model.bert(input_ids=batch["input_ids"]).last_hidden_state, batch)
-    return model.cls.predictions.transform(hidden), labels
-
-
-def masked_positions(hidden: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (targets, d_model) hidden states of a masked LM's labelled positions and their
-    labels. When the batch carries `num_targets` (a Python int, as the collator makes it),
-    they are picked without the device-to-host copy that sizing `hidden[mask]` costs."""
-    hidden, labels = hidden.flatten(0, 1), batch["labels"].flatten()
-    picked = labels != IGNORE_INDEX
-    index = None
-    if isinstance(batch.get("num_targets"), int):
-        try:
-            index = torch.nonzero_static(picked, size=batch["num_targets"]).squeeze(1)
-        except NotImplementedError:  # a device without the operator: the mask, with its copy
-            index = None
-    if index is not None:
-        hidden, labels = hidden.index_select(0, index), labels.index_select(0, index)
-    else:
-        hidden, labels = hidden[picked], labels[picked]
-    return hidden, labels
-
-
 def _embed(stage, input_ids):
     # Packed BERT blocks have no padding, so no attention mask: full attention, as BertModel.
     return stage.bert.embeddings(input_ids=input_ids)
@@ -70,5 +36,6 @@ def _head_logits(stage, hidden, labels):
     return stage.cls(hidden[picked]), labels[picked]
 
 
-STAGE = StageParts(layers="bert.encoder.layer", first_only=("bert.embeddings",), last_only=("cls",),
-                   embed=_embed, final_norm=_final_norm, head_logits=_head_logits)
+PARTS = ModelParts(body="bert", masked_head="cls.predictions.transform", layers="bert.encoder.layer",
+                   first_only=("bert.embeddings",), last_only=("cls",), embed=_embed, final_norm=_final_norm,
+                   head_logits=_head_logits)

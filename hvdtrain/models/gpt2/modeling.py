@@ -5,7 +5,7 @@ from typing import Callable
 import torch
 
 from hvdtrain.config import ModelConfig
-from hvdtrain.models import StageParts
+from hvdtrain.models import ModelParts
 
 
 def model_maker(cfg: ModelConfig, vocab, rows: int, positions: int, d_ff: int) -> Callable[[], torch.nn.Module]:
@@ -21,20 +21,6 @@ def model_maker(cfg: ModelConfig, vocab, rows: int, positions: int, d_ff: int) -
                         activation_function="gelu_pytorch_tanh")
     config._attn_implementation = "sdpa"
     return partial(GPT2LMHeadModel, config)
-
-
-def blocks(model) -> torch.nn.ModuleList:
-    return model.transformer.h
-
-
-def body(model) -> torch.nn.Module:
-    return model.transformer
-
-
-def head_inputs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every position goes through the head; the collator has already shifted the labels."""
-    hidden = model.transformer(input_ids=batch["input_ids"]).last_hidden_state
-    return hidden.flatten(0, 1), batch["labels"].flatten()
 
 
 def _embed(stage, input_ids):
@@ -53,6 +39,7 @@ def _head_logits(stage, hidden, labels):
     return stage.lm_head(hidden).flatten(0, 1), labels.flatten()
 
 
-STAGE = StageParts(layers="transformer.h", first_only=("transformer.wte", "transformer.wpe"),
+PARTS = ModelParts(body="transformer", layers="transformer.h",
+                   first_only=("transformer.wte", "transformer.wpe"),
                    last_only=("transformer.ln_f", "lm_head"), embed=_embed, final_norm=_final_norm,
                    head_logits=_head_logits)

@@ -5,7 +5,7 @@ from typing import Callable
 import torch
 
 from hvdtrain.config import ModelConfig
-from hvdtrain.models import StageParts
+from hvdtrain.models import ModelParts
 from hvdtrain.models.llama import RMS_NORM_EPS, ROPE_THETA, TIE_EMBEDDINGS
 
 
@@ -24,20 +24,6 @@ def model_maker(cfg: ModelConfig, vocab, rows: int, positions: int, d_ff: int) -
                          bos_token_id=vocab.bos_id, eos_token_id=vocab.eos_id, pad_token_id=vocab.pad_id)
     config._attn_implementation = "sdpa"
     return partial(LlamaForCausalLM, config)
-
-
-def blocks(model) -> torch.nn.ModuleList:
-    return model.model.layers
-
-
-def body(model) -> torch.nn.Module:
-    return model.model
-
-
-def head_inputs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every position goes through the head; the collator has already shifted the labels."""
-    hidden = model.model(input_ids=batch["input_ids"]).last_hidden_state
-    return hidden.flatten(0, 1), batch["labels"].flatten()
 
 
 def _embed(stage, input_ids):
@@ -61,5 +47,6 @@ def _head_logits(stage, hidden, labels):
     return stage.lm_head(hidden).flatten(0, 1), labels.flatten()
 
 
-STAGE = StageParts(layers="model.layers", first_only=("model.embed_tokens",), last_only=("model.norm", "lm_head"),
-                   embed=_embed, final_norm=_final_norm, head_logits=_head_logits, layer_inputs=_layer_inputs)
+PARTS = ModelParts(body="model", layers="model.layers", first_only=("model.embed_tokens",),
+                   last_only=("model.norm", "lm_head"), embed=_embed, final_norm=_final_norm,
+                   head_logits=_head_logits, layer_inputs=_layer_inputs)

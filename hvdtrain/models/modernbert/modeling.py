@@ -5,8 +5,7 @@ from typing import Callable
 import torch
 
 from hvdtrain.config import ModelConfig
-from hvdtrain.models import StageParts
-from hvdtrain.models.bert.modeling import masked_positions
+from hvdtrain.models import ModelParts
 from hvdtrain.models.modernbert import GLOBAL_ATTN_EVERY, GLOBAL_ROPE_THETA, LOCAL_ATTENTION, LOCAL_ROPE_THETA
 from hvdtrain.models.common import IGNORE_INDEX
 
@@ -30,20 +29,6 @@ def model_maker(cfg: ModelConfig, vocab, rows: int, positions: int, d_ff: int) -
         bos_token_id=vocab.cls_id, eos_token_id=vocab.sep_id)
     config._attn_implementation = "sdpa"
     return partial(ModernBertForMaskedLM, config)
-
-
-def blocks(model) -> torch.nn.ModuleList:
-    return model.model.layers
-
-
-def body(model) -> torch.nn.Module:
-    return model.model
-
-
-def head_inputs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Only the masked positions go through the head, as BERT's."""
-    hidden, labels = masked_positions(model.model(input_ids=batch["input_ids"]).last_hidden_state, batch)
-    return model.head(hidden), labels
 
 
 def _embed(stage, input_ids):
@@ -76,6 +61,6 @@ def _head_logits(stage, hidden, labels):
     return stage.decoder(stage.head(hidden[picked])), labels[picked]
 
 
-STAGE = StageParts(layers="model.layers", first_only=("model.embeddings",),
+PARTS = ModelParts(body="model", masked_head="head", layers="model.layers", first_only=("model.embeddings",),
                    last_only=("model.final_norm", "head", "decoder"), embed=_embed, final_norm=_final_norm,
                    head_logits=_head_logits, layer_inputs=_layer_inputs)
