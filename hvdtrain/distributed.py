@@ -186,14 +186,13 @@ class TokenNormalizer:
         """`stop_vote` rides along: a rank asked to stop (preemption) tells every other rank."""
         self.handle = allreduce_sum_async([local_targets, float(stop_vote)], name="targets")
 
-    def finish(self, model) -> tuple[float, bool]:
-        """Correct the reduced gradients; returns the global target count and whether any rank
-        voted to stop."""
+    def finish(self, grads: list[torch.Tensor]) -> tuple[float, bool]:
+        """Correct the reduced gradients `grads` (the model's, or a sharded optimizer's slices);
+        returns the global target count and whether any rank voted to stop."""
         total_targets, stop_votes = wait_sum(self.handle)
         global_targets = max(1.0, total_targets / self.stages)
         # Average divided the sum over the copies by their number; Sum did not.
         factor = (self.reduced_over if self.op == "average" else 1) / (self.loss_scale * global_targets)
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
         torch._foreach_mul_(grads, factor)
         return global_targets, stop_votes > 0
 

@@ -13,6 +13,10 @@ With parallel.pipeline_stages = p > 1 each worker holds one stage of the model
 forward/backward, Horovod reduces gradients among the copies of the stage only, the tied
 embedding is summed between first and last stage and the gradient norm is taken over all
 stages. Everything else is the same code.
+
+With parallel.shard_optimizer each copy keeps 1/copies of the optimizer state
+(hvdtrain.sharded_optimizer): the gradients are reduce-scattered instead of allreduced, the
+step updates this copy's slices and the weights are allgathered after it.
 """
 import contextlib
 import gc
@@ -39,6 +43,7 @@ from hvdtrain.run_control import (PREEMPTED_EXIT_CODE, NonFiniteGuard, Preemptio
                                   StallWatchdog, mark_preempted)
 from hvdtrain.run_log import RunLog
 from hvdtrain.sampler import EvalSampler, StreamSampler, share
+from hvdtrain.sharded_optimizer import ShardedOptimizer
 from hvdtrain.step_timer import StepTimer
 from hvdtrain.training_state import TrainingState, find_resume_checkpoint
 
@@ -179,9 +184,10 @@ class Setup:
 
 
 def build_model_and_optimizer(cfg: Config, data: DataBundle, device, grad_accum: int, shards: int,
-                              layout=None, groups=None):
+                              layout=None, groups=None, shard: int = 0):
     """The model (or this worker's stage of it), its optimizer (Horovod's, unless the pipeline
-    reduces after its run) and grad scaler; the same seed on every rank. Returns them with the
+    reduces after its run; sharded over the `shards` copies with parallel.shard_optimizer, this
+    being copy `shard`) and grad scaler; the same seed on every rank. Returns them with the
     whole model's tied parameter names and whether gradients are reduced after the pipeline."""
     t, par = cfg.train, cfg.parallel
     torch.manual_seed(t.seed)
@@ -195,14 +201,21 @@ def build_model_and_optimizer(cfg: Config, data: DataBundle, device, grad_accum:
     model.to(device)
     model.train()
     peak_lr = t.lr * distributed.lr_scale(t.lr_scaling, shards)
-    optimizer = build_optimizer(model, t, peak_lr, device)
     # The copies of a stage reduce gradients during backward (Horovod's hooks), or after the
     # pipeline's step where NCCL would otherwise run two communicators at once.
     reduce_after = layout is not None and (par.reduce_gradients or
                                            ("after" if device.type == "cuda" else "during")) == "after"
-    if not reduce_after:
-        optimizer = distributed.wrap_optimizer(optimizer, model, cfg.horovod, grad_accum,
-                                               groups.process_set if groups else None)
+    if par.shard_optimizer:
+        tied_copy = layout is not None and layout.is_last and not layout.is_first  # not counted in the norm twice
+        optimizer = ShardedOptimizer(model, t, peak_lr, device, cfg.horovod, grad_accum, shard, shards,
+                                     groups.process_set if groups else None, reduce_during=not reduce_after,
+                                     compute_dtype=torch.bfloat16 if t.precision == "bf16" else torch.float32,
+                                     not_counted=pipeline.tied_parameters(model).values() if tied_copy else ())
+    else:
+        optimizer = build_optimizer(model, t, peak_lr, device)
+        if not reduce_after:
+            optimizer = distributed.wrap_optimizer(optimizer, model, cfg.horovod, grad_accum,
+                                                   groups.process_set if groups else None)
     scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
     return model, optimizer, scaler, aliases, peak_lr, reduce_after
 
@@ -230,7 +243,7 @@ def set_up(cfg: Config) -> Setup:
     if layout is not None:
         groups = pipeline.open_groups(layout, "nccl" if world.device.type == "cuda" else "gloo")
     model, optimizer, scaler, aliases, peak_lr, reduce_after = build_model_and_optimizer(
-        cfg, data, world.device, grad_accum, shards, layout, groups)
+        cfg, data, world.device, grad_accum, shards, layout, groups, shard)
     state = TrainingState(model, optimizer, scaler, world, cfg, layout, aliases)
     state.restore(resume_from)
     if layout is not None:
@@ -257,6 +270,7 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
     grad_accum, global_batch, peak_lr, shard, shards = s.grad_accum, s.global_batch, s.peak_lr, s.shard, s.shards
     device, t, par = world.device, cfg.train, cfg.parallel
     resume_from = s.resumed_from
+    sharded = isinstance(optimizer, ShardedOptimizer)
 
     # ---- set-up 5. loaders from the state's stream position
     loader, eval_loader = build_loaders(cfg, data, world, shard, shards, grad_accum, global_batch, state)
@@ -342,29 +356,37 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
             #    (a step with inf/NaN gradients is skipped: by the fp16 scaler, or else by the guard)
             #    (with pipeline stages: the tied embedding summed between the ends, one norm over all stages)
             with timer.phase("allreduce"):
-                if reduce_after:
+                if sharded:  # reduce-scatter: this copy's slices of the reduced gradients
+                    optimizer.reduce_gradients()
+                elif reduce_after:
                     pipeline.allreduce_grads_after(model.parameters(), groups, distributed.reduce_op(cfg.horovod),
                                                    distributed.compression(cfg.horovod),
                                                    cfg.horovod.gradient_predivide_factor)
                 else:
                     optimizer.synchronize()
-                if layout is not None:
+                if layout is not None and sharded:
+                    optimizer.allreduce_tied(groups)
+                elif layout is not None:
                     pipeline.allreduce_tied_grads(model, groups)
-                global_targets, stop = normalizer.finish(model)
+                global_targets, stop = normalizer.finish(
+                    optimizer.grads() if sharded else [p.grad for p in model.parameters() if p.grad is not None])
             guard.check(state.step)  # the streak up to the step before: the device has finished it
             with timer.phase("optimizer"):
-                scaler.unscale_(optimizer)
                 max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-                grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) if layout is None
-                             else pipeline.clip_grad_norm_(model, max_norm, groups))
-                with optimizer.skip_synchronize() if not reduce_after else contextlib.nullcontext():
-                    if not scaler.is_enabled():
-                        guard.step(optimizer, grad_norm)
-                    else:
-                        if layout is not None:  # a stage that found no inf skips too, as the whole model would
-                            pipeline.share_found_inf(scaler, optimizer, groups)
-                        guard.scaler_step(scaler, optimizer)
-                distributed.zero_grad(optimizer)
+                if sharded:  # the same clip, skip agreement and step on the slices; then the allgather
+                    grad_norm = optimizer.finish_step(scaler, guard, max_norm, groups)
+                else:
+                    scaler.unscale_(optimizer)
+                    grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) if layout is None
+                                 else pipeline.clip_grad_norm_(model, max_norm, groups))
+                    with optimizer.skip_synchronize() if not reduce_after else contextlib.nullcontext():
+                        if not scaler.is_enabled():
+                            guard.step(optimizer, grad_norm)
+                        else:
+                            if layout is not None:  # a stage that found no inf skips too, as the whole model would
+                                pipeline.share_found_inf(scaler, optimizer, groups)
+                            guard.scaler_step(scaler, optimizer)
+                    distributed.zero_grad(optimizer)
             state.step += 1
             state.position += global_batch
             timer.steps += 1
@@ -432,8 +454,9 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
     if groups is not None:  # collective: only once every rank has finished the last step
         groups.close()
 
-    if world.is_main:  # the whole model: with pipeline stages, rebuilt from the final checkpoint's parts
-        whole = model if layout is None else load_checkpoint_model(checkpoint.list_checkpoints(cfg.out_dir)[-1])
+    if world.is_main:  # the whole model: with pipeline stages or shards, rebuilt from the final checkpoint's parts
+        whole = (model if layout is None and not sharded
+                 else load_checkpoint_model(checkpoint.list_checkpoints(cfg.out_dir)[-1]))
         save_hf(whole, Path(cfg.out_dir) / "tokenizer", Path(cfg.out_dir) / "hf")
         world.print(f"hvdtrain: model saved as a Hugging Face folder in {Path(cfg.out_dir) / 'hf'}")
     return model
