@@ -30,6 +30,8 @@ computation's weights, 2 B), the gradients are accumulated in fp32 (4 B: each mi
 bf16 .grad is added into them and freed, as Megatron's main_grad), and the fp32 master slices
 (4/d) and moments (8/d) are this copy's own: 6 + 12/d. Transient: the reduced gradient
 slices (4/d) until the step, and one bucket of gathered weights at a time (GATHER_BUCKET_BYTES).
+The reduce-scatter and the allgather both carry fp32 (the masters are fp32; Horovod's CPU
+collectives take no bf16): together the bytes of today's fp32 allreduce.
 
 What overlaps with backward: in the last micro batch of a step each parameter's reduce-scatter
 is enqueued from its post-accumulate-grad hook as soon as its gradient is complete, and
@@ -242,8 +244,9 @@ class ShardedOptimizer:
             bucket.append(s)
             size += s.param.numel() * s.param.element_size()
             if size >= GATHER_BUCKET_BYTES or s is self.slices[-1]:
-                gathered = hvd.grouped_allgather([b.master.to(self.compute_dtype) for b in bucket],
-                                                 name=f"shard.weights.{s.name}", process_set=self.process_set)
+                # fp32 on the wire (Horovod's CPU collectives take no bf16), cast into 16-bit weights
+                gathered = hvd.grouped_allgather([b.master for b in bucket], name=f"shard.weights.{s.name}",
+                                                 process_set=self.process_set)
                 for b, whole in zip(bucket, gathered):
                     b.param.detach().view(-1).copy_(whole)
                 bucket, size = [], 0

@@ -58,6 +58,23 @@ def test_sharded_equals_unsharded_and_one_worker(tmp_path, tiny_config, optimize
 
 
 @pytest.mark.workers
+def test_bf16_computes_in_bf16_weights_with_fp32_masters_within_bf16_tolerance(tmp_path, tiny_config):
+    """The sharded bf16 run's model holds bf16 weights (the fp32 masters are sharded), its
+    checkpoint the fp32 masters' slices; its losses are today's bf16 path's within bf16 rounding."""
+    config = tiny_config({"train": {"precision": "bf16", "grad_accum": 2, "max_steps": 10}})
+    today, sharded = tmp_path / "today", tmp_path / "sharded"
+    train_workers(2, config, f"out_dir={today}")
+    train_workers(2, config, f"out_dir={sharded}", SHARD)
+    a, b = step_losses(today), step_losses(sharded)
+    assert a.keys() == b.keys() and all(b[k] == pytest.approx(a[k], rel=5e-3) for k in a)
+    assert {v.dtype for v in load_params(sharded, 0).values()} == {torch.bfloat16}
+    from safetensors import safe_open
+    part = checkpoint.newest_intact_checkpoint(sharded) / "model-00001-of-00002.safetensors"
+    with safe_open(str(part), framework="pt") as f:
+        assert f.get_tensor("transformer.h.0.mlp.c_fc.weight").dtype == torch.float32
+
+
+@pytest.mark.workers
 def test_two_stages_times_two_sharded_copies_equal_the_unsharded_grid(tmp_path, tiny_config):
     """4 workers: 2 pipeline stages x 2 copies, the slices taken over each stage's copies;
     the tied embedding's slices summed between the ends, its norm counted once. The sharded
