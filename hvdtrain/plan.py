@@ -17,8 +17,8 @@ Four estimates, each plain arithmetic on the config (no torch, no GPU):
    hvdtrain.sharded_optimizer) over d data-parallel copies (of each stage): fp32 and fp16
    keep fp32 weights 4 + gradients 4 + moments 8/d (8 + 8/d); bf16 computes in bf16 weights
    2 + fp32 gradients 4 + fp32 master slices 4/d + moments 8/d (6 + 12/d), no autocast copies
-   (the weights are 16-bit already). The reduced gradient slices (4/d) take the place of the
-   full gradients, which are freed as they are reduce-scattered, so they are not added.
+   (the weights are 16-bit already); plus the reduced gradient slices (4/d) that Horovod's
+   reduce-scatter allocates beside the full gradients before these are freed.
 2. Step time on N GPUs from a measured 1-worker step time and a ring-allreduce model
    (`ring_allreduce_seconds`) overlapped with backward (`exposed_comm_seconds`).
 3. The micro batch and accumulation that keep a target global batch on N GPUs, or, when the
@@ -146,12 +146,14 @@ def weight_state_bytes(cfg, n_params: int, matmul_params: float, copies: int = 1
     parameters (`matmul_params` of them in matmuls), as the module's notes count them: the
     optimizer sharded over `copies` data-parallel copies with parallel.shard_optimizer."""
     opt = cfg.train.optimizer
+    sliced = {f"reduced gradient slices (fp32, 1/{copies})": 4 * n_params // copies}
     if cfg.parallel.shard_optimizer and cfg.train.precision == "bf16":
-        return {"parameters (bf16)": 2 * n_params, "gradients (fp32)": 4 * n_params,
+        return {"parameters (bf16)": 2 * n_params, "gradients (fp32)": 4 * n_params, **sliced,
                 f"master weights (fp32, sharded 1/{copies})": 4 * n_params // copies,
                 f"optimizer state ({opt}, sharded 1/{copies})": 8 * n_params // copies}
     parts = {"parameters (fp32)": 4 * n_params, "gradients (fp32)": 4 * n_params}
     if cfg.parallel.shard_optimizer:
+        parts.update(sliced)
         parts[f"optimizer state ({opt}, sharded 1/{copies})"] = 8 * n_params // copies
     else:
         parts[f"optimizer state ({opt}, 2 fp32 moments)"] = 8 * n_params

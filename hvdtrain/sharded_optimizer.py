@@ -28,8 +28,11 @@ Memory per parameter: fp32 weights (the master slices are views into them) 4 + g
 moments 8/d = 8 + 8/d. With train.precision=bf16 the model's weights themselves are bf16 (the
 computation's weights, 2 B), the gradients are accumulated in fp32 (4 B: each micro batch's
 bf16 .grad is added into them and freed, as Megatron's main_grad), and the fp32 master slices
-(4/d) and moments (8/d) are this copy's own: 6 + 12/d. Transient: the reduced gradient
-slices (4/d) until the step, and one bucket of gathered weights at a time (GATHER_BUCKET_BYTES).
+(4/d) and moments (8/d) are this copy's own: 6 + 12/d. Transient: the reduced gradient slices
+(4/d), which Horovod's reduce-scatter allocates (Megatron reduces in place into its gradient
+buffer) and which live beside the full gradients until those are freed, so at that moment
+8 + 12/d (bf16: 6 + 16/d); and one bucket of gathered weights at a time (GATHER_BUCKET_BYTES),
+once the slices are freed.
 The reduce-scatter and the allgather both carry fp32 (the masters are fp32; Horovod's CPU
 collectives take no bf16): together the bytes of today's fp32 allreduce.
 
@@ -239,6 +242,7 @@ class ShardedOptimizer:
         self.inner.found_inf, self.inner.grad_scale = self.found_inf, self.grad_scale
         self.inner.step()
         self.inner.found_inf = self.inner.grad_scale = None
+        self.zero_grad()  # the reduced slices are spent: their memory is free for the gathered weights
         bucket, size = [], 0
         for s in self.slices:
             bucket.append(s)
