@@ -534,6 +534,17 @@ def test_cli_pp(tmp_path, capsys):
     assert "Pipeline: 2 stages x 2 data-parallel copies" in out and "at 30% of 989 TFLOP/s, --mfu" in out
 
 
+def test_cli_shard_optimizer_counts_the_state_over_the_copies_of_each_stage(tmp_path, capsys):
+    config = tmp_path / "gpt.yaml"
+    config.write_text("model: {arch: gpt2, n_layer: 4, n_head: 4, d_model: 64}\n"
+                      "data: {seq_len: 32, vocab_size: 256}\n"
+                      "train: {micro_batch_size: 2, global_batch_size: 16, precision: bf16}\n")
+    assert _cli(["plan", str(config), "--gpus", "8", "--pp", "2", "--shard-optimizer"]) == 0
+    out = capsys.readouterr().out
+    assert "master weights (fp32, sharded 1/8)" in out and "optimizer state (adamw, sharded 1/8)" in out
+    assert "autocast 16-bit weight copies" not in out
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "bert"])
 def test_stage_params_match_the_real_split(arch):
     """flops.stage_params against the parameters of hvdtrain.pipeline's real stages, for 2
