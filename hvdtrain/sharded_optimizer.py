@@ -22,7 +22,8 @@ gradients, each copy owns 1/d of every parameter, the flat range `shard_range` g
     allgather                 the updated slices, so every copy holds the whole weights again
 
 A reduce-scatter and an allgather move (d-1)/d of the data each, as the two halves of one
-ring allreduce do: the bytes on the wire per step are those of today's allreduce.
+ring allreduce do (NCCL's ring algorithms): the bytes on the wire per step are those of
+today's allreduce.
 
 Memory per parameter: fp32 weights (the master slices are views into them) 4 + gradients 4 +
 moments 8/d = 8 + 8/d. With train.precision=bf16 the model's weights themselves are bf16 (the
@@ -32,7 +33,8 @@ bf16 .grad is added into them and freed, as Megatron's main_grad), and the fp32 
 (4/d), which Horovod's reduce-scatter allocates (Megatron reduces in place into its gradient
 buffer) and which live beside the full gradients until those are freed, so at that moment
 8 + 12/d (bf16: 6 + 16/d); and one bucket of gathered weights at a time (GATHER_BUCKET_BYTES),
-once the slices are freed.
+once the slices are freed. Horovod's own working buffers come on top (its fusion buffer,
+and on Gloo about 200 MiB more per worker measured by `hvdtrain bench memory`, see README).
 The reduce-scatter and the allgather both carry fp32 (the masters are fp32; Horovod's CPU
 collectives take no bf16): together the bytes of today's fp32 allreduce.
 
@@ -44,8 +46,8 @@ reducing after the schedule's run: NCCL must not run Horovod's collectives besid
 pipeline's send/recv) they are one grouped reduce-scatter after backward. What does not
 overlap: the wait for the last gradients (the embeddings', complete when backward ends), the
 norm and found-inf reductions, the step, and the allgather, which runs after the step and
-before the next forward (Megatron overlaps it with the next forward; Horovod offers no per-layer
-hook for that here).
+before the next forward (Megatron overlaps it with the next forward, waiting for each layer's
+weights in a forward pre-hook; not done here).
 
 Checkpoints (hvdtrain.checkpoint.write_slices): every copy writes its slices of the fp32
 weights and of the optimizer state under the parameters' names; any layout, sharded or not,
