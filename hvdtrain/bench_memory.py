@@ -34,7 +34,8 @@ from hvdtrain.errors import UserError
 DEFAULT_RECIPE = "recipes/gpt2-small.yaml"
 # The recipe's model with a short context and a small vocabulary: the optimizer state dominates.
 DEFAULT_OVERRIDES = ["data.source=synthetic", "data.tokenizer=train", "data.hub_config=null",
-                     "data.validation_split=null", "data.num_workers=0", "data.seq_len=64", "data.vocab_size=8192", "data.synthetic_samples=512",
+                     "data.validation_split=null", "data.num_workers=0", "data.seq_len=64", "data.vocab_size=8192",
+                     "data.synthetic_samples=512",
                      "train.micro_batch_size=1", "train.grad_accum=1", "train.global_batch_size=null",
                      "train.precision=fp32", "model.compile=false", "model.dropout=0.0"]
 MIB = 2 ** 20

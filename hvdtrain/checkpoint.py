@@ -153,8 +153,8 @@ def write_slices(tmp: Path, index: int, count: int, weights: dict, state: dict) 
     with written_whole(f"the checkpoint of step {step_of(tmp)} in {tmp.parent}", tmp):
         for tensors, name in ((weights, model_file), (state, optimizer_file)):
             slices = {k: [v[1], list(v[2])] for k, v in tensors.items() if isinstance(v, tuple)}
-            save_file({k: (v[0] if isinstance(v, tuple) else v).detach().cpu().contiguous() for k, v in tensors.items()},
-                      str(tmp / name), metadata={SLICES_KEY: json.dumps(slices)})
+            plain = {k: (v[0] if isinstance(v, tuple) else v).detach().cpu().contiguous() for k, v in tensors.items()}
+            save_file(plain, str(tmp / name), metadata={SLICES_KEY: json.dumps(slices)})
         return {name: sealed(tmp / name) for name in (model_file, optimizer_file)}
 
 

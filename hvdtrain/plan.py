@@ -688,7 +688,8 @@ def _memory_plan(cfg, gpu_name: str, memory_gib: float, sdpa: bool, gpus: int = 
             "pipeline_stages": stages_needed(cfg, budget, sdpa, gpus) if smallest > budget else None}
 
 
-def _largest_micro_batch(cfg, per_gpu: int, budget: float, sdpa: bool, gpus: int = 1) -> Optional[tuple[int, bool, int]]:
+def _largest_micro_batch(cfg, per_gpu: int, budget: float, sdpa: bool,
+                         gpus: int = 1) -> Optional[tuple[int, bool, int]]:
     """(micro batch, checkpointing, total bytes): the largest divisor of `per_gpu` that fits,
     without activation checkpointing if any does (no recomputation), else with it."""
     for ckpt in (False, True):
