@@ -93,12 +93,15 @@ def test_two_stages_times_two_sharded_copies_equal_the_unsharded_grid(tmp_path, 
 
 
 @pytest.mark.workers
-@pytest.mark.parametrize("precision", ["fp16", "fp32"])
-def test_a_step_only_one_ranks_slices_find_non_finite_is_skipped_on_every_rank(tmp_path, tiny_config, precision):
+@pytest.mark.parametrize("precision,optimizer", [("fp16", "adamw"), ("fp16", "lamb"), ("fp32", "adamw")])
+def test_a_step_only_one_ranks_slices_find_non_finite_is_skipped_on_every_rank(tmp_path, tiny_config, precision,
+                                                                                optimizer):
     """Rank 0's slice of one parameter gets an inf in step 3: with fp16 the grad scaler of every
-    rank skips the step (the found-inf flag is the maximum over the copies), in fp32 the guard
-    (the norm is global). A rank that stepped alone would wait in the allgather for ever."""
-    config = tiny_config({"train": {"global_batch_size": 8, "max_steps": 6, "precision": precision}})
+    rank skips the step (the found-inf flag is the maximum over the copies; LAMB takes it as a
+    flag on the device, AdamW on the CPU is not called), in fp32 the guard (the norm is global).
+    A rank that stepped alone would wait in the allgather for ever."""
+    config = tiny_config({"train": {"global_batch_size": 8, "max_steps": 6, "precision": precision,
+                                    "optimizer": optimizer}})
     out = tmp_path / "run"
     proc = horovodrun(2, [WORKERS / "sharded_overflow.py", config, f"out_dir={out}", SHARD],
                       env={"HVDTRAIN_TEST_INF_STEP": "2"}, timeout=200)
