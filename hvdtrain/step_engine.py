@@ -11,10 +11,10 @@
                     evaluation; the reduction (reduce-scatter), normalisation, clip, non-finite
                     agreement and step are the hvdtrain.sharded_optimizer's, on this copy's slices
 
-Both answer the same calls, which the loop (hvdtrain.train.run_steps) makes in this order:
+All three answer the same calls, which the loop (hvdtrain.train.run_steps) makes in this order:
 
     loss_sum = engine.forward_backward(micro_batches, timer)  # this rank's summed token losses
-    engine.reduce_gradients()                     # every copy holds the reduced gradients
+    engine.reduce_gradients()                     # every copy holds the reduced gradients (sharded: its slices)
     engine.normalize(global_targets)              # ... divided by the step's target tokens
     grad_norm = engine.clip_gradients(max_norm)   # unscaled, one norm, clipped
     engine.optimizer_step(guard, grad_norm)       # step, or skip on inf/NaN (all ranks alike)
