@@ -305,6 +305,14 @@ class ParallelConfig:
     # (Horovod's hooks, overlapped) or "after" it (one grouped allreduce). On NCCL two
     # communicators in flight at once can hang, so the default is "after" on GPUs, "during" on CPUs.
     reduce_gradients: Optional[Literal["during", "after"]] = None
+    # ZeRO stage 1 (Megatron-Core's distributed optimizer) over Horovod: each data-parallel copy
+    # (of each pipeline stage) keeps and steps 1/copies of the optimizer state, and of the fp32
+    # master weights where the weights are 16-bit (bf16: the model computes in bf16 weights);
+    # gradients are reduce-scattered and the updated weights allgathered, as many bytes on the
+    # wire as one allreduce (hvdtrain.parallel.sharded_optimizer, docs/memory.md). The same maths as false;
+    # off by default as it needs 2 collectives per step where one allreduce fits the memory.
+    # Needs horovod.compression "none"; elastic jobs refuse it.
+    shard_optimizer: bool = False
 
     def check(self):
         _require(self.pipeline_stages >= 1, "parallel.pipeline_stages", "an integer >= 1", self.pipeline_stages)
@@ -558,6 +566,10 @@ def validate(cfg: Config):
              f"null or >= data.seq_len ({d.seq_len})", m.max_position)
     _require(par.pipeline_stages * par.stages_per_rank <= m.n_layer or m.pretrained, "parallel.pipeline_stages",
              f"at most model.n_layer={m.n_layer} stages in all (x parallel.stages_per_rank)", par.pipeline_stages)
+    # Cross-section: the sharded optimizer reduce-scatters the gradients itself, uncompressed.
+    _require(not par.shard_optimizer or cfg.horovod.compression == "none", "horovod.compression",
+             "'none' with parallel.shard_optimizer (the gradients are reduce-scattered in their own dtype)",
+             cfg.horovod.compression)
 
 
 def resolve_batch(cfg: Config, world_size: int) -> tuple[int, int]:

@@ -36,6 +36,18 @@ def test_gpt2_124m_fp32_state():
     assert "autocast 16-bit weight copies" not in parts
 
 
+@pytest.mark.parametrize("precision,per_param", [("fp32", lambda d: 8 + 12 / d), ("fp16", lambda d: 8 + 12 / d),
+                                                 ("bf16", lambda d: 6 + 16 / d)])
+def test_a_sharded_optimizer_divides_its_state_by_the_copies(precision, per_param):
+    """Megatron's distributed optimizer's counts (fp32 weights and gradients, 1/d of the moments;
+    in bf16, bf16 weights, fp32 gradients, 1/d of the fp32 masters and moments, no autocast
+    copies) and the 1/d of reduced gradient slices Horovod's reduce-scatter allocates."""
+    for d in (1, 2, 4, 64):
+        cfg = config_from_dict({"train": {"precision": precision}, "parallel": {"shard_optimizer": True}})
+        parts = planmod.weight_state_bytes(cfg, 1 << 20, 0, copies=d)
+        assert sum(parts.values()) == per_param(d) * (1 << 20)
+
+
 def test_gpt2_124m_bf16_state():
     parts = memory_bytes(gpt2_124m(precision="bf16"), 8, False)["parts"]
     # fp32 params, grads and moments in every precision: 16 B/param
@@ -520,6 +532,17 @@ def test_cli_pp(tmp_path, capsys):
     assert _cli(["plan", str(config), "--gpus", "4", "--pp", "2", "--mfu", "0.3"]) == 0
     out = capsys.readouterr().out
     assert "Pipeline: 2 stages x 2 data-parallel copies" in out and "at 30% of 989 TFLOP/s, --mfu" in out
+
+
+def test_cli_shard_optimizer_counts_the_state_over_the_copies_of_each_stage(tmp_path, capsys):
+    config = tmp_path / "gpt.yaml"
+    config.write_text("model: {arch: gpt2, n_layer: 4, n_head: 4, d_model: 64}\n"
+                      "data: {seq_len: 32, vocab_size: 256}\n"
+                      "train: {micro_batch_size: 2, global_batch_size: 16, precision: bf16}\n")
+    assert _cli(["plan", str(config), "--gpus", "8", "--pp", "2", "--shard-optimizer"]) == 0
+    out = capsys.readouterr().out
+    assert "master weights (fp32, sharded 1/8)" in out and "optimizer state (adamw, sharded 1/8)" in out
+    assert "autocast 16-bit weight copies" not in out
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "bert"])

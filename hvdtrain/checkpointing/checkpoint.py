@@ -9,6 +9,11 @@ Layout: OUT_DIR/checkpoints/step_00000100/
     With pipeline stages each stage writes its own part instead, model-00001-of-00002.safetensors
     and optimizer-00001-of-00002.safetensors ...; the names are the whole model's, so a
     checkpoint written with any layout loads into any other (and into one process for export).
+    With a sharded optimizer (hvdtrain.parallel.sharded_optimizer) every rank writes a part: its slice
+    of each parameter's fp32 weights and optimizer state, each a flat range of the whole tensor,
+    under the whole tensor's name; the file's metadata ("hvdtrain.slices") gives each slice's
+    offset and the whole tensor's shape. Readers put the slices back together (or read only the
+    range they need: `read_ranges`), so such a checkpoint too loads into any layout.
   rng.safetensors        every rank's RNG states ("rank<R>/<generator>")
   state.json             step, data stream position, world size, grad scaler, the run's config
   manifest.json          size and checksum (XXH3) of every file above; written last
@@ -26,6 +31,7 @@ the newest intact one.
 """
 import json
 import logging
+import math
 import mmap
 import os
 import re
@@ -137,6 +143,21 @@ def write_part(tmp: Path, index: int, count: int, model, optimizer) -> dict[str,
     with written_whole(f"the checkpoint of step {step_of(tmp)} in {tmp.parent}", tmp):
         save_model(model, str(tmp / model_file))
         save_file(optimizer_tensors(optimizer, model), str(tmp / optimizer_file))
+        return {name: sealed(tmp / name) for name in (model_file, optimizer_file)}
+
+
+SLICES_KEY = "hvdtrain.slices"  # safetensors metadata: {tensor name: [flat start, [whole shape]]}
+
+
+def write_slices(tmp: Path, index: int, count: int, weights: dict, state: dict) -> dict[str, dict]:
+    """write_part for a rank of a sharded optimizer: `weights` and `state` map names to a whole
+    tensor, or to (flat slice, its start in the flattened whole tensor, the whole tensor's shape)."""
+    model_file, optimizer_file = part_names(index, count)
+    with written_whole(f"the checkpoint of step {step_of(tmp)} in {tmp.parent}", tmp):
+        for tensors, name in ((weights, model_file), (state, optimizer_file)):
+            slices = {k: [v[1], list(v[2])] for k, v in tensors.items() if isinstance(v, tuple)}
+            plain = {k: (v[0] if isinstance(v, tuple) else v).detach().cpu().contiguous() for k, v in tensors.items()}
+            save_file(plain, str(tmp / name), metadata={SLICES_KEY: json.dumps(slices)})
         return {name: sealed(tmp / name) for name in (model_file, optimizer_file)}
 
 
@@ -302,14 +323,68 @@ def read_rngs(path: Path, world_size: int) -> list[dict[str, torch.Tensor]]:
     return rngs
 
 
+def _slices(part) -> dict:
+    """The slices a part file holds (see write_slices): {name: [flat start, whole shape]}."""
+    return json.loads((part.metadata() or {}).get(SLICES_KEY, "{}"))
+
+
 def _read_tensors(path: Path, prefix: str, wanted) -> dict[str, torch.Tensor]:
-    """The tensors named in `wanted` (a predicate on names) from every part file `prefix`*."""
-    out = {}
+    """The tensors named in `wanted` (a predicate on names) from every part file `prefix`*,
+    slices (of a sharded optimizer's ranks) put back together into whole tensors."""
+    out, pieces = {}, {}
     for f in sorted(path.glob(f"{prefix}*.safetensors")):
         with safe_open(str(f), framework="pt") as part:
+            slices = _slices(part)
             for key in part.keys():
                 if wanted(key):
+                    if key in slices:
+                        pieces.setdefault(key, []).append((*slices[key], part.get_tensor(key)))
+                    else:
+                        out[key] = part.get_tensor(key)
+    for key, found in pieces.items():
+        shape = found[0][1]
+        whole = torch.empty(math.prod(shape), dtype=found[0][2].dtype)
+        for start, _, piece in found:
+            whole[start:start + piece.numel()] = piece
+        if sum(piece.numel() for _, _, piece in found) != whole.numel():
+            raise UserError(f"the checkpoint {path} holds only part of '{key}' (a rank's part file is missing)")
+        out[key] = whole.view(shape)
+    return out
+
+
+def read_ranges(path: Path, prefix: str, ranges: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
+    """For each name: the values [start, end) of the flattened tensor, from every part file
+    `prefix`*, reading no more than those (whole tensors of any layout, or the slices of a
+    sharded optimizer's ranks). A 0-dimensional tensor (a step count) is read whole."""
+    out, filled = {name: None for name in ranges}, dict.fromkeys(ranges, 0)
+    for f in sorted(path.glob(f"{prefix}*.safetensors")):
+        with safe_open(str(f), framework="pt") as part:
+            slices = _slices(part)
+            for key in set(part.keys()) & set(ranges):
+                start, end = ranges[key]
+                stored = part.get_slice(key)
+                shape = stored.get_shape()
+                if not shape:  # a scalar: the same on every rank
                     out[key] = part.get_tensor(key)
+                    continue
+                if key in slices:  # a flat slice [s0, s0 + n) of the whole tensor
+                    s0 = slices[key][0]
+                    lo, hi = max(start, s0), min(end, s0 + shape[0])
+                    if lo >= hi:
+                        continue
+                    piece, at = stored[lo - s0:hi - s0], lo
+                else:  # the whole tensor: the rows that hold the range
+                    row = math.prod(shape[1:])
+                    first = start // row
+                    piece = stored[first:-(-end // row)].flatten()[start - first * row:end - first * row]
+                    at = start
+                if out[key] is None:
+                    out[key] = torch.empty(end - start, dtype=piece.dtype)
+                out[key][at - start:at - start + piece.numel()] = piece
+                filled[key] += piece.numel()
+    for key, (start, end) in ranges.items():
+        if out[key] is not None and out[key].dim() and filled[key] != end - start:
+            raise UserError(f"the checkpoint {path} holds only part of '{key}' (a rank's part file is missing)")
     return out
 
 

@@ -7,9 +7,17 @@ from hvdtrain.optim.lamb import Lamb
 
 def build_optimizer(model, cfg: TrainConfig, peak_lr: float, device: torch.device) -> torch.optim.Optimizer:
     """AdamW (or LAMB) with weight decay on matrices only, not on biases and LayerNorm weights."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    params = [p for p in model.parameters() if p.requires_grad]
+    return optimizer_for(params, [p.dim() >= 2 for p in params], cfg, peak_lr, device)
+
+
+def optimizer_for(tensors: list, decayed: list[bool], cfg: TrainConfig, peak_lr: float, device: torch.device,
+                  lamb_norms=None) -> torch.optim.Optimizer:
+    """The optimizer over `tensors`, with weight decay where `decayed` says (the parameters
+    themselves, or the slices of them that hvdtrain.parallel.sharded_optimizer steps). `lamb_norms`: see
+    Lamb's `norms_across_shards`."""
+    groups = [{"params": [t for t, d in zip(tensors, decayed) if d], "weight_decay": cfg.weight_decay},
+              {"params": [t for t, d in zip(tensors, decayed) if not d], "weight_decay": 0.0}]
     if cfg.optimizer == "lamb":
-        return Lamb(groups, lr=peak_lr, betas=tuple(cfg.betas), eps=cfg.eps)
+        return Lamb(groups, lr=peak_lr, betas=tuple(cfg.betas), eps=cfg.eps, norms_across_shards=lamb_norms)
     return torch.optim.AdamW(groups, lr=peak_lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=device.type == "cuda")

@@ -202,11 +202,11 @@ class TokenNormalizer:
         self.op, self.reduced_over = op, reduced_over
         self.loss_scale = 1.0 / expected_tokens
 
-    def finish(self, model, global_targets: float):
-        """Correct the reduced gradients for the step's `global_targets` (StepTotals.wait)."""
+    def finish(self, grads: list[torch.Tensor], global_targets: float):
+        """Correct the reduced gradients `grads` (the model's, or a sharded optimizer's slices)
+        for the step's `global_targets` (StepTotals.wait)."""
         # Average divided the sum over the copies by their number; Sum did not.
         factor = (self.reduced_over if self.op == "average" else 1) / (self.loss_scale * global_targets)
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
         torch._foreach_mul_(grads, factor)
 
 

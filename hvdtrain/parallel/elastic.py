@@ -101,6 +101,9 @@ def check_elastic_config(cfg: Config):
     if cfg.parallel.pipeline_stages > 1:
         raise UserError("config key 'parallel.pipeline_stages': elastic jobs do not support pipeline stages "
                         f"(got {cfg.parallel.pipeline_stages}); use 1, or a fixed number of workers")
+    if cfg.parallel.shard_optimizer:  # the shards would have to re-form after every reset
+        raise UserError("config key 'parallel.shard_optimizer': elastic jobs do not support a sharded optimizer "
+                        "(got true); use false, or a fixed number of workers")
 
 
 def train_elastic(cfg: Config) -> torch.nn.Module:

@@ -8,6 +8,8 @@
   hvdtrain bench scaling CONFIG --np 1,2 [overrides]  throughput and scaling efficiency with N
                                                       local workers (each on one thread)
   hvdtrain bench allreduce [-np N] [--sizes 1K,..]    Horovod allreduce bandwidth per message size
+  hvdtrain bench memory [CONFIG] [--copies 1,2,4]     optimizer state and peak memory per worker,
+                                                      sharded and not, against `hvdtrain plan`
 
 Every number comes from real runs of the real code: `compare` and `overhead` call
 hvdtrain.training.train.train() and read the throughput it logs, `scaling` runs `hvdtrain launch`,
@@ -629,6 +631,7 @@ def add_cli(sub):
     p.add_argument("--repeats", type=int, required=True)
     p.set_defaults(func=run_allreduce_worker)
 
-    # `bench pipeline` lives in its own module (imported here: it imports this one).
-    from hvdtrain.tools import bench_pipeline
+    # `bench pipeline` and `bench memory` live in their own modules (imported here: they import this one).
+    from hvdtrain.tools import bench_memory, bench_pipeline
     bench_pipeline.add_cli(kinds)
+    bench_memory.add_cli(kinds)

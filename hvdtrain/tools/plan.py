@@ -13,6 +13,12 @@ Four estimates, each plain arithmetic on the config (no torch, no GPU):
    plus the logits, Horovod's fusion buffer and a fixed CUDA overhead. All terms are added as
    if they peaked together, so the total is an upper bound: gradients actually fill up while
    activations are freed during backward.
+   With a sharded optimizer (parallel.shard_optimizer, or --shard-optimizer; see
+   hvdtrain.parallel.sharded_optimizer) over d data-parallel copies (of each stage): fp32 and fp16
+   keep fp32 weights 4 + gradients 4 + moments 8/d (8 + 8/d); bf16 computes in bf16 weights
+   2 + fp32 gradients 4 + fp32 master slices 4/d + moments 8/d (6 + 12/d), no autocast copies
+   (the weights are 16-bit already); plus the reduced gradient slices (4/d) that Horovod's
+   reduce-scatter allocates beside the full gradients before these are freed.
 2. Step time on N GPUs from a measured 1-worker step time and a ring-allreduce model
    (`ring_allreduce_seconds`) overlapped with backward (`exposed_comm_seconds`).
 3. The micro batch and accumulation that keep a target global batch on N GPUs, or, when the
@@ -136,22 +142,37 @@ def logits_bytes(cfg, micro_batch: int) -> int:
     return int(positions * cfg.data.vocab_size * (_activation_elem(cfg) + 4 + 8))
 
 
-def memory_bytes(cfg, micro_batch: int, checkpointing: bool, sdpa: bool = True) -> dict:
-    """Bytes per GPU by component, and their "total"."""
-    dims = model_dims(cfg)
-    n_params = count_params(**dims)
-    parts = {
-        "parameters (fp32)": 4 * n_params,
-        "gradients (fp32)": 4 * n_params,
-        f"optimizer state ({cfg.train.optimizer}, 2 fp32 moments)": 8 * n_params,
-    }
+def weight_state_bytes(cfg, n_params: int, matmul_params: float, copies: int = 1) -> dict:
+    """Bytes by component of the weights, gradients and optimizer state of `n_params`
+    parameters (`matmul_params` of them in matmuls), as the module's notes count them: the
+    optimizer sharded over `copies` data-parallel copies with parallel.shard_optimizer."""
+    opt = cfg.train.optimizer
+    sliced = {f"reduced gradient slices (fp32, 1/{copies})": 4 * n_params // copies}
+    if cfg.parallel.shard_optimizer and cfg.train.precision == "bf16":
+        return {"parameters (bf16)": 2 * n_params, "gradients (fp32)": 4 * n_params, **sliced,
+                f"master weights (fp32, sharded 1/{copies})": 4 * n_params // copies,
+                f"optimizer state ({opt}, sharded 1/{copies})": 8 * n_params // copies}
+    parts = {"parameters (fp32)": 4 * n_params, "gradients (fp32)": 4 * n_params}
+    if cfg.parallel.shard_optimizer:
+        parts.update(sliced)
+        parts[f"optimizer state ({opt}, sharded 1/{copies})"] = 8 * n_params // copies
+    else:
+        parts[f"optimizer state ({opt}, 2 fp32 moments)"] = 8 * n_params
     if cfg.train.precision != "fp32":
         # Autocast casts each matmul weight once per forward; the 16-bit copy stays referenced by
         # the autograd graph until backward. Those weights are the 6N parameters (flops_params).
-        parts["autocast 16-bit weight copies"] = 2 * int(flops_params(**dims))
+        parts["autocast 16-bit weight copies"] = 2 * int(matmul_params)
     if cfg.horovod.compression == "fp16":
         # Horovod allreduces an fp16 copy of each gradient, made when the gradient is ready.
         parts["fp16-compressed gradients"] = 2 * n_params
+    return parts
+
+
+def memory_bytes(cfg, micro_batch: int, checkpointing: bool, sdpa: bool = True, copies: int = 1) -> dict:
+    """Bytes per GPU by component, and their "total"; `copies`: the data-parallel workers (what
+    a sharded optimizer divides its state by)."""
+    dims = model_dims(cfg)
+    parts = weight_state_bytes(cfg, count_params(**dims), flops_params(**dims), copies)
     parts.update({
         "activations": activation_bytes(cfg, micro_batch, checkpointing, sdpa),
         "logits and loss": logits_bytes(cfg, micro_batch),
@@ -200,6 +221,15 @@ def exposed_comm_seconds(comm_s: float, tail_s: float, micro_compute_s: float) -
     in any case.
     """
     return max(comm_s - BACKWARD_FRACTION * micro_compute_s, tail_s)
+
+
+def sharded_exposed(cfg, comm_s: float, tail_s: float, micro_compute_s: float) -> float:
+    """exposed_comm_seconds, with a sharded optimizer: its reduce-scatter (half of the ring's
+    bytes) overlaps the backward as the allreduce would, its allgather (the other half) runs
+    after the step, in full view."""
+    if not cfg.parallel.shard_optimizer:
+        return exposed_comm_seconds(comm_s, tail_s, micro_compute_s)
+    return exposed_comm_seconds(comm_s / 2, tail_s / 2, micro_compute_s) + comm_s / 2
 
 
 def read_step_time(run_dir: str) -> float:
@@ -283,13 +313,15 @@ def in_flight(schedule: str, stages: int, stages_per_rank: int, microbatches: in
     return min(microbatches, stages - rank)
 
 
-def stage_memory(cfg, microbatches: int, micro_batch: int, checkpointing: bool, sdpa: bool = True) -> list[dict]:
+def stage_memory(cfg, microbatches: int, micro_batch: int, checkpointing: bool, sdpa: bool = True,
+                 copies: int = 1) -> list[dict]:
     """Bytes on each rank of a pipeline of cfg.parallel.pipeline_stages = p ranks running
     cfg.parallel.schedule over `microbatches` = m micro batches per run, by component, as
     memory_bytes counts them for the whole model (with p = 1 the one rank's "total" is
     memory_bytes' total):
 
-    * parameters, gradients, optimizer state and autocast copies of the rank's own stages:
+    * parameters, gradients, optimizer state and autocast copies of the rank's own stages
+      (weight_state_bytes; a sharded optimizer's over the `copies` of each stage):
       the layers of stage_bounds' split, the embeddings on the first stage, the head and a copy
       of the tied embedding matrix on the last (flops.stage_params);
     * activations of the micro batches in flight (`in_flight`), each the stage's layers as
@@ -336,15 +368,7 @@ def stage_memory(cfg, microbatches: int, micro_batch: int, checkpointing: bool, 
                 kept += boundary  # the stage's output, kept for its backward
             return kept
 
-        parts = {
-            "parameters (fp32)": 4 * n_params,
-            "gradients (fp32)": 4 * n_params,
-            f"optimizer state ({cfg.train.optimizer}, 2 fp32 moments)": 8 * n_params,
-        }
-        if cfg.train.precision != "fp32":
-            parts["autocast 16-bit weight copies"] = 2 * int(sum(matmul_weights[g] for g in ids))
-        if cfg.horovod.compression == "fp16":
-            parts["fp16-compressed gradients"] = 2 * n_params
+        parts = weight_state_bytes(cfg, n_params, sum(matmul_weights[g] for g in ids), copies)
         activations = k * max(per_micro_batch(g) for g in ids)
         if checkpointing and any(c["layers"] for c in mine):
             activations += one_layer
@@ -418,7 +442,7 @@ def pipeline_plan(cfg, stages: int, gpus: int, budget: float, net_gbps: float, l
     batches = pipeline_batches(cfg, stages, gpus)
     m, v = batches["microbatches"], c.parallel.stages_per_rank
     micro, ckpt = cfg.train.micro_batch_size, cfg.model.activation_checkpointing
-    ranks = stage_memory(c, m, micro, ckpt, sdpa)
+    ranks = stage_memory(c, m, micro, ckpt, sdpa, batches["copies"])
     largest = max(ranks, key=lambda r: r["total"])
     row = {"stages": stages, "stages_per_rank": v, "schedule": cfg.parallel.schedule if stages > 1 else None,
            **batches, "micro_batch": micro, "checkpointing": ckpt, "ranks": ranks, "largest_rank": largest["rank"],
@@ -431,7 +455,7 @@ def pipeline_plan(cfg, stages: int, gpus: int, budget: float, net_gbps: float, l
     compute = batches["runs"] * (v * m + stages - 1) * slot / v
     if stages == 1:
         comm = step_comm(c, gpus, net_gbps, latency_s)
-        exposed, tied = exposed_comm_seconds(comm["seconds"], comm["tail_seconds"], slot), 0.0
+        exposed, tied = sharded_exposed(cfg, comm["seconds"], comm["tail_seconds"], slot), 0.0
         comm_s, mode = comm["seconds"], "during"
     else:
         mode = cfg.parallel.reduce_gradients or "after"
@@ -443,7 +467,7 @@ def pipeline_plan(cfg, stages: int, gpus: int, budget: float, net_gbps: float, l
             n_allreduces = (math.ceil(nbytes / fusion) if fusion > 0
                             else tensors * sum(e - b for b, e in r["layers"]) + 4)
             comm_s = max(comm_s, ring_allreduce_seconds(nbytes, batches["copies"], net_gbps, latency_s, n_allreduces))
-        exposed = comm_s if mode == "after" else exposed_comm_seconds(comm_s, 0.0, slot)
+        exposed = comm_s if mode == "after" else sharded_exposed(cfg, comm_s, 0.0, slot)
         tied = (ring_allreduce_seconds(4 * cfg.data.vocab_size * cfg.model.d_model, 2, net_gbps, latency_s)
                 if model_dims(cfg)["tied_embeddings"] else 0.0)  # untied (Llama 3 8B): nothing to sum
     step = compute + exposed + tied
@@ -462,7 +486,7 @@ def stage_sweep(cfg, gpus: int, chosen: int) -> list[int]:
     return sorted(p for p in options if p == 1 or p * v <= cfg.model.n_layer)
 
 
-def stages_needed(cfg, budget: float, sdpa: bool = True) -> Optional[int]:
+def stages_needed(cfg, budget: float, sdpa: bool = True, gpus: int = 1) -> Optional[int]:
     """The fewest pipeline stages p (>= 2) whose largest rank fits `budget` at the least memory
     the config allows: micro batch 1, activation checkpointing, m = p micro batches per run (the
     fewest, so the fewest receive buffers), the config's schedule. None when even one layer per
@@ -471,7 +495,7 @@ def stages_needed(cfg, budget: float, sdpa: bool = True) -> Optional[int]:
     base = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, stages_per_rank=v,
                                                                  layer_boundaries=None))
     for p in range(2, cfg.model.n_layer // v + 1):
-        ranks = stage_memory(with_stages(base, p), p, 1, True, sdpa)
+        ranks = stage_memory(with_stages(base, p), p, 1, True, sdpa, max(1, gpus // p))
         if max(r["total"] for r in ranks) <= budget:
             return p
     return None
@@ -508,7 +532,7 @@ def plan(cfg, gpus: int, gpu: str = "H100", net_gbps: float = 100.0, step_time: 
     model = {**dims, "n_head": cfg.model.n_head, "seq_len": cfg.data.seq_len, "params": count_params(**dims),
              "flops_params": flops_params(**dims, head_fraction=head_fraction(cfg)),
              "flops_per_token": model_flops_per_token(cfg)}
-    memory = _memory_plan(cfg, spec.name if spec else gpu, memory_gib, sdpa)
+    memory = _memory_plan(cfg, spec.name if spec else gpu, memory_gib, sdpa, gpus)
     comm = step_comm(cfg, gpus, net_gbps, latency_us * 1e-6)
     stages = pp if pp is not None else cfg.parallel.pipeline_stages
     if stages > 1:
@@ -537,7 +561,7 @@ def plan(cfg, gpus: int, gpu: str = "H100", net_gbps: float = 100.0, step_time: 
     if global_batch is not None:
         target = {"global_batch": global_batch, "gpus": gpus}
         per_gpu, remainder = divmod(global_batch, gpus)
-        choice = None if remainder else _largest_micro_batch(cfg, per_gpu, memory["budget"], sdpa)
+        choice = None if remainder else _largest_micro_batch(cfg, per_gpu, memory["budget"], sdpa, gpus)
         if remainder:
             target["error"] = f"global batch {global_batch} is not a multiple of {gpus} GPUs"
         elif choice is None:
@@ -596,7 +620,7 @@ def _pipeline_section(cfg, stages: int, gpus: int, budget: float, net_gbps: floa
         target = {"global_batch": global_batch, "gpus": gpus, "stages": stages}
         copies = gpus // stages
         per_copy, remainder = divmod(global_batch, copies)
-        choice = None if remainder else _pipeline_micro_batch(cfg, stages, per_copy, budget, sdpa)
+        choice = None if remainder else _pipeline_micro_batch(cfg, stages, per_copy, budget, sdpa, copies)
         if remainder:
             target["error"] = f"global batch {global_batch} is not a multiple of {copies} data-parallel copies"
         elif choice is None:
@@ -618,7 +642,8 @@ def _pipeline_section(cfg, stages: int, gpus: int, budget: float, net_gbps: floa
     return {"stages": stages, "time_source": time_source, "chosen": chosen, "rows": rows, "target": target}
 
 
-def _pipeline_micro_batch(cfg, stages: int, per_copy: int, budget: float, sdpa: bool) -> Optional[tuple[int, bool]]:
+def _pipeline_micro_batch(cfg, stages: int, per_copy: int, budget: float, sdpa: bool,
+                          copies: int = 1) -> Optional[tuple[int, bool]]:
     """(micro batch, checkpointing) for the `per_copy` samples of a step in `stages` stages: the
     smallest divisor that fits, so the most micro batches per run and the smallest bubble
     (p-1)/(m+p-1), without activation checkpointing if any fits. Smaller micro batches use a
@@ -635,38 +660,39 @@ def _pipeline_micro_batch(cfg, stages: int, per_copy: int, budget: float, sdpa: 
                 check_schedule(cfg.parallel.schedule, stages, c.parallel.stages_per_rank, m)
             except UserError:
                 continue
-            if max(r["total"] for r in stage_memory(c, m, micro, ckpt, sdpa)) <= budget:
+            if max(r["total"] for r in stage_memory(c, m, micro, ckpt, sdpa, copies)) <= budget:
                 return micro, ckpt
     return None
 
 
-def _memory_plan(cfg, gpu_name: str, memory_gib: float, sdpa: bool) -> dict:
+def _memory_plan(cfg, gpu_name: str, memory_gib: float, sdpa: bool, gpus: int = 1) -> dict:
     """Memory at the configured micro batch: the breakdown with checkpointing as configured,
     the totals both ways, and at micro batch 1 with checkpointing, the least this config needs."""
     budget = USABLE_FRACTION * memory_gib * GIB
     micro, checkpointing = cfg.train.micro_batch_size, cfg.model.activation_checkpointing
-    configured = memory_bytes(cfg, micro, checkpointing, sdpa)
+    configured = memory_bytes(cfg, micro, checkpointing, sdpa, gpus)
     parts = configured["parts"]
     fixed = parts["Horovod fusion buffer"] + parts["CUDA context and workspaces"]
     if budget <= fixed:
         raise UserError(f"--gpu-memory: {memory_gib:g} GiB leaves no room beyond the fixed "
                         f"{fixed / GIB:.2f} GiB overhead")
-    smallest = memory_bytes(cfg, 1, True, sdpa)["total"]
+    smallest = memory_bytes(cfg, 1, True, sdpa, gpus)["total"]
     return {"gpu": gpu_name, "gpu_memory_gib": memory_gib, "budget": budget, "micro_batch": micro,
             "checkpointing": checkpointing, "sdpa": sdpa, "parts": parts, "total": configured["total"],
             "fits": configured["total"] <= budget,
-            "total_without_checkpointing": memory_bytes(cfg, micro, False, sdpa)["total"],
-            "total_with_checkpointing": memory_bytes(cfg, micro, True, sdpa)["total"],
+            "total_without_checkpointing": memory_bytes(cfg, micro, False, sdpa, gpus)["total"],
+            "total_with_checkpointing": memory_bytes(cfg, micro, True, sdpa, gpus)["total"],
             "smallest_total": smallest,
-            "pipeline_stages": stages_needed(cfg, budget, sdpa) if smallest > budget else None}
+            "pipeline_stages": stages_needed(cfg, budget, sdpa, gpus) if smallest > budget else None}
 
 
-def _largest_micro_batch(cfg, per_gpu: int, budget: float, sdpa: bool) -> Optional[tuple[int, bool, int]]:
+def _largest_micro_batch(cfg, per_gpu: int, budget: float, sdpa: bool,
+                         gpus: int = 1) -> Optional[tuple[int, bool, int]]:
     """(micro batch, checkpointing, total bytes): the largest divisor of `per_gpu` that fits,
     without activation checkpointing if any does (no recomputation), else with it."""
     for ckpt in (False, True):
         for m in sorted((d for d in range(1, per_gpu + 1) if per_gpu % d == 0), reverse=True):
-            total = memory_bytes(cfg, m, ckpt, sdpa)["total"]
+            total = memory_bytes(cfg, m, ckpt, sdpa, gpus)["total"]
             if total <= budget:
                 return m, ckpt, total
     return None
@@ -788,8 +814,8 @@ def _format_pipeline(p: dict) -> list[str]:
              f"{'recv buffers':>13} {'logits':>10} {'total':>11}  in flight"]
     for r in c["ranks"]:
         parts = r["parts"]
-        state = sum(v for k, v in parts.items() if k.startswith(("parameters", "gradients", "optimizer", "autocast",
-                                                                   "fp16-compressed")))
+        state = sum(v for k, v in parts.items() if k.startswith(("parameters", "gradients", "master", "optimizer",
+                                                                   "autocast", "fp16-compressed")))
         lines.append(f"  {r['rank']:>4}  {_layers_text(r, n_stages):<{width}} {r['params'] / 1e9:>8.2f}B "
                      f"{state / GIB:>20.2f} GiB {parts['activations'] / GIB:>8.2f} GiB "
                      f"{parts.get('pipeline receive buffers', 0) / GIB:>9.2f} GiB "
@@ -853,6 +879,8 @@ def add_cli(subparsers):
     p.add_argument("--pp", type=int, metavar="P",
                    help="pipeline stages: memory of every stage, bubble and step time with P stages, compared with "
                         "the other stage counts (default parallel.pipeline_stages when above 1)")
+    p.add_argument("--shard-optimizer", action="store_true",
+                   help="count the optimizer state sharded over the data-parallel copies (parallel.shard_optimizer)")
     p.add_argument("--mfu", type=float, default=DEFAULT_MFU, metavar="F",
                    help=f"model FLOPs utilisation assumed for the pipeline's compute when no step time is given "
                         f"(default {DEFAULT_MFU:g})")
@@ -860,7 +888,7 @@ def add_cli(subparsers):
 
 
 def run_plan(args) -> int:
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides + (["parallel.shard_optimizer=true"] if args.shard_optimizer else []))
     step_time = read_step_time(args.measured) if args.measured else args.step_time
     result = plan(cfg, args.gpus, gpu=args.gpu, net_gbps=args.net_gbps, step_time=step_time,
                   target_global_batch=args.target_global_batch, latency_us=args.latency_us,

@@ -1,4 +1,4 @@
-"""One optimizer step's work on this worker, done one of two ways, chosen once at set-up.
+"""One optimizer step's work on this worker, done one of three ways, chosen once at set-up.
 
     PlainStep       the whole model on every worker; hvd.DistributedOptimizer allreduces the
                     gradients over all workers, started by its hooks during the last backward
@@ -7,21 +7,21 @@
                     (during the schedule's backward, or after it), the tied embedding is summed
                     between the first and last stage, and one gradient norm is taken over all
                     stages
+    ShardedStep     parallel.shard_optimizer, around either of them: their forward/backward and
+                    evaluation; the reduction (reduce-scatter), normalisation, clip, non-finite
+                    agreement and step are the hvdtrain.parallel.sharded_optimizer's, on this copy's slices
 
-Both answer the same calls, which the loop (hvdtrain.training.train.run_steps) makes in this order:
+All three answer the same calls, which the loop (hvdtrain.training.train.run_steps) makes in this order:
 
     loss_sum = engine.forward_backward(micro_batches, timer)  # this rank's summed token losses
-    engine.reduce_gradients()                     # every copy holds the reduced gradients
+    engine.reduce_gradients()                     # every copy holds the reduced gradients (sharded: its slices)
     engine.normalize(global_targets)              # ... divided by the step's target tokens (distributed.StepTotals)
     grad_norm = engine.clip_gradients(max_norm)   # unscaled, one norm, clipped
     engine.optimizer_step(guard, grad_norm)       # step, or skip on inf/NaN (all ranks alike)
     result = engine.evaluate(loader)              # the loss of every rank's validation slice
     engine.close()                                # at the run's end; collective
 
-A sharded optimizer (gradients reduce-scattered, each rank stepping its shard, parameters
-gathered) is a third variant of the same calls: a subclass of PlainStep that replaces
-reduce_gradients, normalize, clip_gradients and optimizer_step. Collective calls are tagged `# Horovod:` (or
-`# torch.distributed:` along a pipeline).
+Collective calls are tagged `# Horovod:` (or `# torch.distributed:` along a pipeline).
 """
 import math
 from contextlib import nullcontext
@@ -79,7 +79,7 @@ class PlainStep:
 
     def normalize(self, global_targets: float):
         """Make the reduced gradients those of the loss per target token of the whole step."""
-        self.normalizer.finish(self.model, global_targets)
+        self.normalizer.finish([p.grad for p in self.model.parameters() if p.grad is not None], global_targets)
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
         """Unscale (fp16), clip to `max_norm`; returns the norm before clipping."""
@@ -103,6 +103,9 @@ class PlainStep:
             else:
                 self.agree_on_nonfinite()
                 guard.scaler_step(self.scaler, self.optimizer)
+        self.zero_grad()
+
+    def zero_grad(self):
         distributed.zero_grad(self.optimizer)
 
     @torch.no_grad()
@@ -212,15 +215,69 @@ class PipelinedStep(PlainStep):
         self.groups.close()  # Horovod + torch.distributed: remove the process sets and groups (collective)
 
 
+class ShardedStep(PlainStep):
+    """parallel.shard_optimizer: `layout_step` (a PlainStep or PipelinedStep, over a
+    sharded_optimizer.ShardedOptimizer) runs the micro batches and evaluates; the gradients are
+    the optimizer's: reduce-scattered from its hooks in backward (or after a pipeline's run) into
+    this copy's slices, which are normalised, clipped to the global norm and stepped here, the
+    weights allgathered in its step. The order of the step (PlainStep.optimizer_step) is the same."""
+
+    def __init__(self, layout_step: PlainStep, groups: pipeline.Groups | None = None):
+        s = layout_step
+        super().__init__(s.model, s.optimizer, s.scaler, s.normalizer, s.autocast, s.device)
+        self.layout_step, self.groups = layout_step, groups
+        self.stages, self.copies_per_stage = s.stages, s.copies_per_stage
+
+    def forward_backward(self, micro_batches, timer):
+        return self.layout_step.forward_backward(micro_batches, timer)
+
+    def reduce_gradients(self):
+        """This copy's slices of the reduced gradients, then (with stages) the tied embedding's two ends."""
+        self.optimizer.reduce_gradients()  # Horovod: wait for (or start) the reduce-scatter of gradients
+        if self.groups is not None:
+            self.optimizer.allreduce_tied(self.groups)  # torch.distributed: allreduce, first + last stage
+
+    def normalize(self, global_targets):
+        self.normalizer.finish(self.optimizer.grads(), global_targets)
+
+    def clip_gradients(self, max_norm):
+        self.scaler.unscale_(self.optimizer)
+        # Horovod (+ torch.distributed along the pipeline): allreduce of the slices' squared norms
+        return self.optimizer.clip_grad_norm_(max_norm, self.groups)
+
+    def agree_on_nonfinite(self):
+        """Each copy's scaler found inf in its own slices only: all skip if one did."""
+        self.optimizer.agree_found_inf(self.scaler, self.groups)  # Horovod (+ torch.distributed): allreduce (max)
+
+    def stepping(self):
+        return nullcontext()  # the optimizer's step ends in the allgather of the weights (Horovod)
+
+    def zero_grad(self):
+        self.optimizer.zero_grad()
+
+    def evaluate(self, loader):
+        return self.layout_step.evaluate(loader)
+
+    def describe(self):
+        return {**self.layout_step.describe(),
+                "optimizer": f"sharded over {self.optimizer.size} copies (reduce-scatter, allgather)"}
+
+    def close(self):
+        self.layout_step.close()
+
+
 def build_engine(cfg: Config, device, model, optimizer, scaler, grad_accum: int, shards: int, layout=None,
                  groups=None, reduce_after: bool = False) -> PlainStep:
-    """The step engine of this run: pipelined when `layout` is given (then `groups` too)."""
+    """The step engine of this run: pipelined when `layout` is given (then `groups` too), and
+    sharded around it with parallel.shard_optimizer (`optimizer` then a ShardedOptimizer)."""
     t = cfg.train
     normalizer = distributed.TokenNormalizer(cfg.horovod.op, shards, t.micro_batch_size * grad_accum * cfg.data.seq_len)
     autocast = autocast_for(device, t.precision)
     if layout is None:
-        return PlainStep(model, optimizer, scaler, normalizer, autocast, device)
-    pipe = pipeline.build_schedule(model, layout, groups, cfg.parallel.schedule,
-                                   cfg.parallel.microbatches or grad_accum, 1.0, device)
-    return PipelinedStep(model, optimizer, scaler, normalizer, autocast, device, layout, groups, pipe, reduce_after,
-                         cfg)
+        engine = PlainStep(model, optimizer, scaler, normalizer, autocast, device)
+    else:
+        pipe = pipeline.build_schedule(model, layout, groups, cfg.parallel.schedule,
+                                       cfg.parallel.microbatches or grad_accum, 1.0, device)
+        engine = PipelinedStep(model, optimizer, scaler, normalizer, autocast, device, layout, groups, pipe,
+                               reduce_after, cfg)
+    return ShardedStep(engine, groups) if cfg.parallel.shard_optimizer else engine

@@ -13,8 +13,10 @@ engine's, chosen once in set-up (hvdtrain.training.step_engine): the plain step,
 parallel.pipeline_stages = p > 1 the pipelined step, where each worker holds one stage of the
 model (hvdtrain.parallel.pipeline), the micro batches go through torch's pipeline schedule, Horovod
 reduces gradients among the copies of the stage only, the tied embedding is summed between
-first and last stage and the gradient norm is taken over all stages. The loop below is the
-same code for both.
+first and last stage and the gradient norm is taken over all stages; and with
+parallel.shard_optimizer the sharded step around either of them (hvdtrain.parallel.sharded_optimizer):
+gradients reduce-scattered, this copy's slices clipped and stepped, the weights allgathered.
+The loop below is the same code for all of them.
 """
 import gc
 import hashlib
@@ -45,6 +47,7 @@ from hvdtrain.training.run_guards import (PREEMPTED_EXIT_CODE, NonFiniteGuard, P
 from hvdtrain.training.periodic import Checkpointer, Commits, Evaluator, StepLog
 from hvdtrain.observe.run_log import RunLog
 from hvdtrain.data.sampler import EvalSampler, StreamSampler, share
+from hvdtrain.parallel.sharded_optimizer import ShardedOptimizer
 from hvdtrain.training.step_engine import PlainStep, build_engine
 from hvdtrain.observe.step_timer import StepTimer
 from hvdtrain.training.training_state import TrainingState, find_resume_checkpoint
@@ -146,9 +149,10 @@ class Setup:
 
 
 def build_model_and_optimizer(cfg: Config, data: DataBundle, device, grad_accum: int, shards: int,
-                              layout=None, groups=None):
+                              layout=None, groups=None, shard: int = 0):
     """The model (or this worker's stage of it), its optimizer (Horovod's, unless the pipeline
-    reduces after its run) and grad scaler; the same seed on every rank. Returns them with the
+    reduces after its run; sharded over the `shards` copies with parallel.shard_optimizer, this
+    being copy `shard`) and grad scaler; the same seed on every rank. Returns them with the
     whole model's tied parameter names and whether gradients are reduced after the pipeline."""
     t, par = cfg.train, cfg.parallel
     torch.manual_seed(t.seed)
@@ -164,15 +168,22 @@ def build_model_and_optimizer(cfg: Config, data: DataBundle, device, grad_accum:
     model.to(device)
     model.train()
     peak_lr = t.lr * distributed.lr_scale(t.lr_scaling, shards)
-    optimizer = build_optimizer(model, t, peak_lr, device)
     # The copies of a stage reduce gradients during backward (Horovod's hooks), or after the
     # pipeline's step where NCCL would otherwise run two communicators at once.
     reduce_after = layout is not None and (par.reduce_gradients or
                                            ("after" if device.type == "cuda" else "during")) == "after"
-    if not reduce_after:
-        # Horovod: DistributedOptimizer, allreduce of gradients from backward hooks
-        optimizer = distributed.wrap_optimizer(optimizer, model, cfg.horovod, grad_accum,
-                                               groups.process_set if groups else None)
+    if par.shard_optimizer:
+        tied_copy = layout is not None and layout.is_last and not layout.is_first  # not counted in the norm twice
+        optimizer = ShardedOptimizer(model, t, peak_lr, device, cfg.horovod, grad_accum, shard, shards,
+                                     groups.process_set if groups else None, reduce_during=not reduce_after,
+                                     compute_dtype=torch.bfloat16 if t.precision == "bf16" else torch.float32,
+                                     not_counted=pipeline.tied_parameters(model).values() if tied_copy else ())
+    else:
+        optimizer = build_optimizer(model, t, peak_lr, device)
+        if not reduce_after:
+            # Horovod: DistributedOptimizer, allreduce of gradients from backward hooks
+            optimizer = distributed.wrap_optimizer(optimizer, model, cfg.horovod, grad_accum,
+                                                   groups.process_set if groups else None)
     scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
     return model, optimizer, scaler, aliases, peak_lr, reduce_after
 
@@ -201,7 +212,7 @@ def set_up(cfg: Config) -> Setup:
         # Horovod + torch.distributed: process sets and groups, made by every rank
         groups = pipeline.open_groups(layout, "nccl" if world.device.type == "cuda" else "gloo")
     model, optimizer, scaler, aliases, peak_lr, reduce_after = build_model_and_optimizer(
-        cfg, data, world.device, grad_accum, shards, layout, groups)
+        cfg, data, world.device, grad_accum, shards, layout, groups, shard)
     state = TrainingState(model, optimizer, scaler, world, cfg, layout, aliases)
     state.load_and_share(resume_from)  # Horovod: broadcast from rank 0 (with stages: each reads its part)
     # The step engine, chosen once: plain, or pipelined (torch's schedule over this stage)
@@ -269,8 +280,9 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
             after_step(run, state.step, lr, grad_norm, stop)
     engine.close()  # collective: only once every rank has finished the last step
 
-    if s.world.is_main:  # the whole model: with pipeline stages, rebuilt from the final checkpoint's parts
-        whole = s.model if s.layout is None else load_checkpoint_model(checkpoint.list_checkpoints(cfg.out_dir)[-1])
+    if s.world.is_main:  # the whole model: with pipeline stages or shards, rebuilt from the final checkpoint's parts
+        whole = (s.model if s.layout is None and not cfg.parallel.shard_optimizer
+                 else load_checkpoint_model(checkpoint.list_checkpoints(cfg.out_dir)[-1]))
         save_hf(whole, Path(cfg.out_dir) / "tokenizer", Path(cfg.out_dir) / "hf")
         s.world.print(f"hvdtrain: model saved as a Hugging Face folder in {Path(cfg.out_dir) / 'hf'}")
     return s.model

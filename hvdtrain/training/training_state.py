@@ -20,6 +20,7 @@ from hvdtrain.config import Config
 from hvdtrain.errors import UserError
 from hvdtrain.observe.metrics import FILE_NAME
 from hvdtrain.models.ties import tie_aliases
+from hvdtrain.parallel.sharded_optimizer import ShardedOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -101,29 +102,34 @@ def resume_decision(cfg: Config) -> Path | None:
 class TrainingState:
     """With pipeline stages (`layout` given) `model` is this worker's stage, under the whole
     model's parameter names: each stage reads and writes its own part of a checkpoint, so no
-    weight passes through rank 0, and a checkpoint of any layout loads into any other.
+    weight passes through rank 0, and a checkpoint of any layout loads into any other. With a
+    sharded optimizer (hvdtrain.parallel.sharded_optimizer) every worker reads and writes its own slices.
     `aliases`: the whole model's tied parameter names (tie_aliases)."""
 
     def __init__(self, model, optimizer, scaler, world, cfg: Config, layout=None, aliases=None):
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.world, self.cfg, self.layout = world, cfg, layout
         self.aliases = aliases if aliases is not None else tie_aliases(model)
+        self.sharded = isinstance(optimizer, ShardedOptimizer)
         self.step = 0
         self.position = 0
 
     def load_and_share(self, path: Path | None):
         """Start from `path` (a checkpoint) or afresh; collective. Without pipeline stages rank 0
-        reads the checkpoint and broadcasts; with them every worker reads its stage's part (the
-        copies of a stage start equal anyway: the same seed, the same files). (An elastic job's
-        rollback to its in-memory commit is local: hvdtrain.parallel.elastic.ElasticState.restore.)"""
+        reads the checkpoint and broadcasts; with them, or sharded, every worker reads its stage's
+        part, or its slices (the copies start equal anyway: the same seed, the same files). (An
+        elastic job's rollback to its in-memory commit is local: hvdtrain.parallel.elastic.ElasticState.restore.)"""
         saved = None
-        if path is not None and (self.world.is_main or self.layout is not None):
+        if path is not None and (self.world.is_main or self.layout is not None or self.sharded):
             checkpoint.load_weights(self.model, path, self.aliases)
-            checkpoint.load_optimizer(self.optimizer, self.model, path, self.aliases)
+            if self.sharded:
+                self.optimizer.load(path, self.aliases)
+            else:
+                checkpoint.load_optimizer(self.optimizer, self.model, path, self.aliases)
         if path is not None and self.world.is_main:
             saved = checkpoint.read_state(path)
             saved["rngs"] = checkpoint.read_rngs(path, saved["world_size"])
-        if self.layout is None:
+        if self.layout is None and not self.sharded:
             # Horovod: broadcast parameters (and optimizer state) from rank 0
             distributed.broadcast_state(self.model, self.optimizer, resumed=path is not None)
         saved = distributed.broadcast_object(saved, name="training_state")  # Horovod: broadcast from rank 0
@@ -146,11 +152,14 @@ class TrainingState:
         rngs = distributed.allgather_object(rng.capture(), name="rng")  # Horovod: allgather
         tmp = checkpoint.begin_checkpoint(self.cfg.out_dir, self.step) if self.world.is_main else None
         tmp = distributed.broadcast_object(tmp, name="checkpoint_folder")  # Horovod: broadcast from rank 0
-        if self.layout is None:
-            index, count, writer = 0, 1, self.world.is_main
-        else:  # the first copy of each stage
-            index, count, writer = self.layout.stage, self.layout.stages, self.layout.dp_rank == 0
-        part = checkpoint.write_part(tmp, index, count, self.model, self.optimizer) if writer else {}
+        if self.sharded:  # every worker: its slices
+            part = self.optimizer.write_part(tmp, self.world.rank, self.world.size)
+        else:
+            if self.layout is None:
+                index, count, writer = 0, 1, self.world.is_main
+            else:  # the first copy of each stage
+                index, count, writer = self.layout.stage, self.layout.stages, self.layout.dp_rank == 0
+            part = checkpoint.write_part(tmp, index, count, self.model, self.optimizer) if writer else {}
         # Once every part is on disk, rank 0 has their manifest entries (not their bytes).
         parts = distributed.allgather_object(part, name="checkpoint_parts")  # Horovod: allgather
         if self.world.is_main:

@@ -1,0 +1,293 @@
+"""A sharded optimizer over Horovod: ZeRO stage 1 (Rajbhandari et al. 2019), Megatron-Core's
+distributed optimizer, with `parallel.shard_optimizer: true`.
+
+Unsharded, every data-parallel copy allreduces the gradients and then steps the whole
+optimizer state: fp32 weights 4 B + gradients 4 B + two fp32 moments 8 B per parameter on
+every copy. Sharded over the d copies that reduce a model's (or a pipeline stage's)
+gradients, each copy owns 1/d of every parameter, the flat range `shard_range` gives it
+(Horovod's own split of a reduce-scatter):
+
+    backward                  gradients accumulate in the parameters' .grad, as today
+    reduce-scatter            each copy receives the reduced gradient of its slices only
+                              (hvd.reducescatter, the same op, process set and pre/postscale
+                              factors as the allreduce), and the full gradients are freed
+    normalise, clip, guard    the token-count factor (distributed.TokenNormalizer) on the slices;
+                              the global norm: squares of the slices summed over the copies
+                              and along the pipeline (a tied weight counted once); fp16's
+                              found-inf flag the maximum over the copies, so all skip together
+    step                      AdamW or LAMB (hvdtrain.optim.optimizers) on the slices of fp32 master
+                              weights with their 1/d of the moments; weight decay on the slices
+                              of matrices only; LAMB's trust ratio from the norms of the whole
+                              parameters (one allreduce of per-parameter squares)
+    allgather                 the updated slices, so every copy holds the whole weights again
+
+A reduce-scatter and an allgather move (d-1)/d of the data each, as the two halves of one
+ring allreduce do (NCCL's ring algorithms): the bytes on the wire per step are those of
+today's allreduce.
+
+Memory per parameter: fp32 weights (the master slices are views into them) 4 + gradients 4 +
+moments 8/d = 8 + 8/d. With train.precision=bf16 the model's weights themselves are bf16 (the
+computation's weights, 2 B), the gradients are accumulated in fp32 (4 B: each micro batch's
+bf16 .grad is added into them and freed, as Megatron's main_grad), and the fp32 master slices
+(4/d) and moments (8/d) are this copy's own: 6 + 12/d. Transient: the reduced gradient slices
+(4/d), which Horovod's reduce-scatter allocates (Megatron reduces in place into its gradient
+buffer) and which live beside the full gradients until those are freed, so at that moment
+8 + 12/d (bf16: 6 + 16/d); and one bucket of gathered weights at a time (GATHER_BUCKET_BYTES),
+once the slices are freed. Horovod's own working buffers come on top (its fusion buffer,
+and on Gloo about 200 MiB more per worker measured by `hvdtrain bench memory`, see docs/memory.md).
+The reduce-scatter and the allgather both carry fp32 (the masters are fp32; Horovod's CPU
+collectives take no bf16): together the bytes of today's fp32 allreduce.
+
+What overlaps with backward: in the last micro batch of a step each parameter's reduce-scatter
+is enqueued from its post-accumulate-grad hook as soon as its gradient is complete, and
+Horovod's background thread runs (and fuses) them while backward goes on, as
+hvd.DistributedOptimizer does with its allreduces. With `reduce_during=False` (pipeline stages
+reducing after the schedule's run: NCCL must not run Horovod's collectives beside the
+pipeline's send/recv) they are one grouped reduce-scatter after backward. What does not
+overlap: the wait for the last gradients (the embeddings', complete when backward ends), the
+norm and found-inf reductions, the step, and the allgather, which runs after the step and
+before the next forward (Megatron overlaps it with the next forward, waiting for each layer's
+weights in a forward pre-hook; not done here).
+
+Checkpoints (hvdtrain.checkpointing.checkpoint.write_slices): every copy writes its slices of the fp32
+weights and of the optimizer state under the parameters' names; any layout, sharded or not,
+reads them back (checkpoint.read_ranges reads only the range a slice needs).
+"""
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from hvdtrain.checkpointing import checkpoint
+from hvdtrain.parallel import pipeline
+from hvdtrain.optim.optimizers import optimizer_for
+
+try:  # as in distributed.py
+    import horovod.torch as hvd
+except ImportError:  # pragma: no cover
+    hvd = None
+
+# Bytes of weights one grouped allgather brings back at most: bounds the transient copy (as
+# Horovod's 128 MiB fusion buffer default does for its allreduces).
+GATHER_BUCKET_BYTES = 128 * 2 ** 20
+STATE_FIELDS = ("step", "exp_avg", "exp_avg_sq")  # what AdamW and LAMB keep per parameter
+
+
+def shard_range(numel: int, rank: int, size: int) -> tuple[int, int]:
+    """[start, end) of a flattened tensor of `numel` values that copy `rank` of `size` owns:
+    Horovod's reduce-scatter split, numel // size each and one more for the first numel % size."""
+    base, extra = divmod(numel, size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+@dataclass
+class _Slice:
+    """This copy's part of one parameter."""
+    name: str
+    param: torch.nn.Parameter
+    start: int
+    end: int
+    master: torch.Tensor           # fp32 [end - start]: the weights' own values, or a copy of them
+    main_grad: torch.Tensor | None = None  # 16-bit weights: the fp32 sum of the step's gradients
+    passes: int = 0                # backward passes of this step that reached the parameter
+    handle: object = None          # its reduce-scatter, once started
+
+
+class ShardedOptimizer:
+    """An optimizer for the training loop whose state is 1/d on each of the d copies.
+
+    The step engine (hvdtrain.training.step_engine.ShardedStep) calls, per step: `reduce_gradients()`
+    (waits for the reduce-scatters), `grads()` for the token normalisation, `allreduce_tied(groups)`
+    with pipeline stages, `clip_grad_norm_`, `agree_found_inf` (fp16), then `step` (through a
+    GradScaler or the NonFiniteGuard: the inner step, then the allgather) and `zero_grad`.
+    `param_groups` are those of the inner optimizer (the loop sets the rate there;
+    a GradScaler unscales the reduced slices there); `step` is what a GradScaler or the
+    NonFiniteGuard calls. Checkpoints: `write_part` and `load`."""
+    # As Lamb: set for one step by a GradScaler or the NonFiniteGuard, handed to the inner optimizer.
+    found_inf = None
+    grad_scale = None
+
+    def __init__(self, model: torch.nn.Module, train_cfg, peak_lr: float, device: torch.device, horovod_cfg,
+                 backward_passes: int, rank: int, size: int, process_set=None, reduce_during: bool = True,
+                 compute_dtype: torch.dtype = torch.float32, not_counted=()):
+        """`rank` of `size`: this copy among those that reduce the model's gradients, the Horovod
+        `process_set` (default: all workers). `backward_passes`: micro batches per step.
+        `compute_dtype`: the weights' dtype (bfloat16: the weights are cast, fp32 masters kept).
+        `not_counted`: parameters left out of the global norm (a pipeline's tied copy)."""
+        self.model, self.rank, self.size = model, rank, size
+        self.process_set = process_set if process_set is not None else hvd.global_process_set
+        self.backward_passes, self.reduce_during, self.compute_dtype = backward_passes, reduce_during, compute_dtype
+        op = {"average": hvd.Average, "sum": hvd.Sum}[horovod_cfg.op]
+        f = horovod_cfg.gradient_predivide_factor
+        self.reduce_args = dict(op=op, process_set=self.process_set,
+                                **({"prescale_factor": 1.0 / f, "postscale_factor": f} if op == hvd.Average else {}))
+        self.slices = []
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            start, end = shard_range(p.numel(), rank, size)
+            own = p.detach().view(-1)[start:end]
+            master = own if compute_dtype == torch.float32 else own.float().clone()
+            self.slices.append(_Slice(name, p, start, end, master))
+        if compute_dtype != torch.float32:  # after the masters took the fp32 values
+            for s in self.slices:
+                s.param.data = s.param.data.to(compute_dtype)
+        self.not_counted = {id(p) for p in not_counted}
+        self.inner = optimizer_for([s.master for s in self.slices], [s.param.dim() >= 2 for s in self.slices],
+                                   train_cfg, peak_lr, device, lamb_norms=self._sum_over_copies)
+        self._step_supports_amp_scaling = getattr(self.inner, "_step_supports_amp_scaling", False)
+        self.by_param = {id(s.param): s for s in self.slices}
+        for s in self.slices:
+            s.param.register_post_accumulate_grad_hook(partial(self._on_gradient, s))
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    # ------------------------------------------------------------ gradients
+
+    def _on_gradient(self, s: _Slice, param: torch.nn.Parameter):
+        """After each backward pass has added to the parameter's gradient."""
+        if self.compute_dtype != torch.float32:  # 16-bit weights: sum the gradients in fp32
+            s.main_grad = param.grad.float() if s.main_grad is None else s.main_grad.add_(param.grad)
+            param.grad = None
+        s.passes += 1
+        if self.reduce_during and s.passes == self.backward_passes:  # complete: reduce it now, during backward
+            # Horovod: reduce-scatter, in the background while backward goes on
+            s.handle = hvd.reducescatter_async(self._full_grad(s), name=f"shard.{s.name}", **self.reduce_args)
+
+    def _full_grad(self, s: _Slice) -> torch.Tensor:
+        grad = s.main_grad if self.compute_dtype != torch.float32 else s.param.grad
+        if grad is None:  # a parameter this step did not reach: every copy must send the same tensors
+            grad = torch.zeros(s.param.shape, dtype=torch.float32, device=s.param.device)
+        return grad.reshape(-1)
+
+    def reduce_gradients(self):
+        """Every slice's reduced gradient in its `.grad` (waits for the reduce-scatters started
+        during backward; starts, in one grouped reduce-scatter, those that were not), and the
+        full gradients freed."""
+        waiting = [s for s in self.slices if s.handle is None]
+        if waiting:
+            # Horovod: grouped reduce-scatter of the gradients not yet reduced
+            handle = hvd.grouped_reducescatter_async([self._full_grad(s) for s in waiting], name="shard.grads",
+                                                     **self.reduce_args)
+            for s, reduced in zip(waiting, hvd.synchronize(handle)):
+                s.master.grad = reduced
+        for s in self.slices:
+            if s.handle is not None:
+                s.master.grad = hvd.synchronize(s.handle)
+            s.handle, s.passes, s.main_grad, s.param.grad = None, 0, None, None
+
+    def grads(self) -> list[torch.Tensor]:
+        """This copy's reduced gradient slices."""
+        return [s.master.grad for s in self.slices]
+
+    def allreduce_tied(self, groups):
+        """Pipeline stages: sum the slices of the tied copies between the first and the last
+        stage (the same slices: copy j of the first stage and copy j of the last are the ends of
+        pipeline j), as pipeline.allreduce_tied_grads does with whole gradients."""
+        if groups.tied is None:
+            return
+        for p in pipeline.tied_parameters(self.model).values():
+            # torch.distributed: allreduce (sum), first + last stage
+            dist.all_reduce(self.by_param[id(p)].master.grad, group=groups.tied)
+
+    def _sum_over_copies(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum over the copies (LAMB's squared norms of the whole parameters)."""
+        return hvd.allreduce(values, name="shard.sum", op=hvd.Sum, process_set=self.process_set)  # Horovod: allreduce (sum)
+
+    def clip_grad_norm_(self, max_norm: float, groups=None) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ of the whole model's reduced gradient: the squared norm
+        of this copy's slices, summed over the copies and, with pipeline stages, along the
+        pipeline (`groups`); every slice scaled by the same coefficient. Returns the norm."""
+        counted = [s.master.grad for s in self.slices if id(s.param) not in self.not_counted]
+        squares = self._sum_over_copies((torch.nn.utils.get_total_norm(counted) ** 2).reshape(1))
+        if groups is not None:
+            dist.all_reduce(squares, group=groups.pipeline)  # torch.distributed: allreduce (sum), along the pipeline
+        total = squares.sqrt()[0]
+        torch.nn.utils.clip_grads_with_norm_([s.master for s in self.slices], max_norm, total)
+        return total
+
+    def agree_found_inf(self, scaler: torch.amp.GradScaler, groups=None):
+        """fp16: after scaler.unscale_(self), each copy found inf in its own slices only; make
+        every copy's (and every stage's) scaler see the maximum, so that all skip together."""
+        flags = list(scaler._found_inf_per_device(self).values())
+        # Horovod: allreduce (max) over the copies
+        found = hvd.allreduce(torch.stack(flags).amax().reshape(1), name="shard.found_inf", op=hvd.Max,
+                              process_set=self.process_set)
+        for flag in flags:
+            flag.copy_(found.reshape(flag.shape))
+        if groups is not None:  # torch.distributed: allreduce (max) along the pipeline
+            pipeline.share_found_inf(scaler, self, groups)
+
+    # ------------------------------------------------------------ the step
+
+    @torch.no_grad()
+    def step(self):
+        """The inner optimizer's step on this copy's slices, then the allgather of the weights."""
+        self.inner.found_inf, self.inner.grad_scale = self.found_inf, self.grad_scale
+        self.inner.step()
+        self.inner.found_inf = self.inner.grad_scale = None
+        self.zero_grad()  # the reduced slices are spent: their memory is free for the gathered weights
+        bucket, size = [], 0
+        for s in self.slices:
+            bucket.append(s)
+            size += s.param.numel() * s.param.element_size()
+            if size >= GATHER_BUCKET_BYTES or s is self.slices[-1]:
+                # Horovod: grouped allgather of the updated slices; fp32 on the wire (Horovod's CPU
+                # collectives take no bf16), cast into 16-bit weights
+                gathered = hvd.grouped_allgather([b.master for b in bucket], name=f"shard.weights.{s.name}",
+                                                 process_set=self.process_set)
+                for b, whole in zip(bucket, gathered):
+                    b.param.detach().view(-1).copy_(whole)
+                bucket, size = [], 0
+
+    def zero_grad(self):
+        for s in self.slices:
+            s.master.grad = None
+
+    # ------------------------------------------------------------ checkpoints
+
+    def write_part(self, tmp, index: int, count: int) -> dict[str, dict]:
+        """This copy's slices of the fp32 weights and of the optimizer state, under the
+        parameters' names (checkpoint.write_slices); the first copy adds the model's buffers."""
+        weights = {s.name: (s.master, s.start, s.param.shape) for s in self.slices if s.end > s.start}
+        if self.rank == 0:
+            names = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
+            weights.update({k: v for k, v in self.model.state_dict().items() if k not in names})
+        state = {}
+        for s in self.slices:
+            if s.end == s.start:  # a parameter smaller than the copies: this one holds none of it
+                continue
+            for key, value in self.inner.state.get(s.master, {}).items():
+                state[f"{s.name}::{key}"] = value if value.dim() == 0 else (value, s.start, s.param.shape)
+        return checkpoint.write_slices(tmp, index, count, weights, state)
+
+    @torch.no_grad()
+    def load(self, path, aliases: dict[str, list[str]]):
+        """This copy's master slices and optimizer state from a checkpoint of any layout, sharded
+        or not (the model's weights are loaded by checkpoint.load_weights); reads only the
+        slices' ranges. `aliases`: the tied names (checkpoint.tie_aliases)."""
+        def names(s):
+            return [s.name, *aliases.get(s.name, [])]
+
+        ranges = {n: (s.start, s.end) for s in self.slices for n in names(s)}
+        weights = checkpoint.read_ranges(path, "model", ranges)
+        state_ranges = {f"{n}::{k}": (s.start, s.end) for s in self.slices for n in names(s) for k in STATE_FIELDS}
+        saved = checkpoint.read_ranges(path, "optimizer", state_ranges)
+        order = {id(t): i for i, t in enumerate(t for g in self.inner.param_groups for t in g["params"])}
+        state = {}
+        for s in self.slices:
+            if s.end == s.start:
+                continue
+            s.master.copy_(next(weights[n] for n in names(s) if weights[n] is not None))
+            source = next((n for n in names(s) if saved[f"{n}::exp_avg"] is not None), None)
+            if source is not None:  # none when the checkpoint's run has not stepped yet
+                state[order[id(s.master)]] = {k: saved[f"{source}::{k}"] for k in STATE_FIELDS}
+        self.inner.load_state_dict({"state": state, "param_groups": self.inner.state_dict()["param_groups"]})

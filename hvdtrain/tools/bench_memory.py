@@ -1,0 +1,195 @@
+"""`hvdtrain bench memory`: what a sharded optimizer saves per worker, measured against
+`hvdtrain plan`'s count.
+
+    hvdtrain bench memory [CONFIG] [overrides] [--copies 1,2,4] [--steps 3] [--threads 1] [--json]
+
+For each d in --copies, two runs of d workers started by horovodrun as `hvdtrain launch` starts
+them, each worker running hvdtrain.training.train's set_up and step loop (what `hvdtrain train` runs) on
+the recipe's model with synthetic data: parallel.shard_optimizer false, then true. Each worker
+reports
+  * its optimizer state: the bytes of the tensors the optimizer keeps (moments and step counts;
+    sharded: this worker's slices, and the fp32 master slices where the weights are 16-bit);
+  * its peak memory over the training steps: on a GPU torch.cuda.max_memory_allocated (reset
+    after set-up); on a CPU the peak resident set size (VmHWM, reset after set-up) less the
+    resident size before set-up (the libraries), so the weights, gradients, optimizer state,
+    activations and Horovod's fusion buffer (glibc's mmap threshold fixed, as `bench pipeline`
+    does, so that the resident size follows live memory).
+next to the plan's prediction for the same config and d (hvdtrain.tools.plan.memory_bytes: the
+optimizer's parts, and the total without the CUDA overhead on a CPU) and their ratio.
+The default recipe is a GPT of 12 layers x 768 whose state dominates its memory.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from hvdtrain.launching import launch
+from hvdtrain.tools.bench_common import RESULT_TAG, parse_ints, proc_status_bytes
+from hvdtrain.config import load_config
+from hvdtrain.errors import UserError
+
+DEFAULT_RECIPE = "recipes/gpt2-small.yaml"
+# The recipe's model with a short context and a small vocabulary: the optimizer state dominates.
+DEFAULT_OVERRIDES = ["data.source=synthetic", "data.tokenizer=train", "data.hub_config=null",
+                     "data.validation_split=null", "data.num_workers=0", "data.seq_len=64", "data.vocab_size=8192",
+                     "data.synthetic_samples=512",
+                     "train.micro_batch_size=1", "train.grad_accum=1", "train.global_batch_size=null",
+                     "train.precision=fp32", "model.compile=false", "model.dropout=0.0"]
+MIB = 2 ** 20
+
+
+def run_overrides(args, sharded: bool, out_dir: Path) -> list[str]:
+    return [f"parallel.shard_optimizer={str(sharded).lower()}", f"train.max_steps={args.steps}",
+            "log.every=1", "log.progress=false", "log.tensorboard=false", "log.step_breakdown=false",
+            "checkpoint.every=0", "checkpoint.resume=false", "eval.every=0", "eval.batches=1", f"out_dir={out_dir}"]
+
+
+def predicted(cfg, copies: int, device: str) -> dict:
+    """The plan's bytes per worker: the optimizer's parts (moments, master weights) and the
+    total, without the CUDA overhead on a CPU."""
+    from hvdtrain.tools import plan
+    parts = plan.memory_bytes(cfg, cfg.train.micro_batch_size, cfg.model.activation_checkpointing,
+                              copies=copies)["parts"]
+    if device != "cuda":
+        parts.pop("CUDA context and workspaces")
+    optimizer = sum(v for k, v in parts.items() if k.startswith(("optimizer state", "master weights")))
+    return {"optimizer_bytes": optimizer, "peak_bytes": sum(parts.values())}
+
+
+def one_run(args, config: str, overrides: list[str], copies: int) -> list[dict]:
+    ns = argparse.Namespace(np=copies, hosts=None, controller="gloo", network_interface=None, start_timeout=None,
+                            horovodrun_args=[])
+    cmd = launch.horovodrun_command(ns, ["bench", "_memory-worker", config, *overrides])
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), OMPI_MCA_mpi_yield_when_idle="1")
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # see bench_pipeline.one_run
+    print(f"OMP_NUM_THREADS={args.threads} {' '.join(cmd)}", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    reports = [json.loads(line.split(RESULT_TAG, 1)[1]) for line in proc.stdout.splitlines() if RESULT_TAG in line]
+    if proc.returncode or len(reports) != copies:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
+        raise SystemExit(proc.returncode or 1)
+    return sorted(reports, key=lambda r: r["rank"])
+
+
+def run_memory_bench(args) -> int:
+    config, overrides = args.config, args.overrides
+    if config is not None and "=" in config and not Path(config).is_file():
+        config, overrides = None, [config, *overrides]  # no CONFIG given, only overrides
+    overrides = [*DEFAULT_OVERRIDES, *overrides] if config is None else ["data.source=synthetic", *overrides]
+    config = config or DEFAULT_RECIPE
+    copies = sorted(set(parse_ints(args.copies, "--copies")))
+    if args.steps < 1 or args.threads < 1:
+        raise UserError(f"--steps and --threads: expected integers >= 1, got {args.steps} and {args.threads}")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-memory-") as tmp:
+        layouts = [(d, sharded) for d in copies for sharded in (False, True)]
+        cfgs = {key: load_config(config, [*overrides, *run_overrides(args, key[1], Path(tmp))]) for key in layouts}
+        for d, sharded in layouts:  # every config checked above, before any run starts
+            reports = one_run(args, config, [*overrides, *run_overrides(args, sharded, Path(tmp) / f"d{d}-{sharded}")],
+                              d)
+            expected = predicted(cfgs[d, sharded], d, reports[0]["device"])
+            worst = max(reports, key=lambda r: r["peak_bytes"])
+            rows.append({"copies": d, "sharded": sharded, "device": reports[0]["device"],
+                         "optimizer_bytes": max(r["optimizer_bytes"] for r in reports),
+                         "peak_bytes": worst["peak_bytes"], "predicted": expected})
+    result = {"config": config, "overrides": overrides, "steps": args.steps, "threads": args.threads, "rows": rows}
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print_result(result)
+    return 0
+
+
+def print_result(result: dict):
+    rows = result["rows"]
+    memory = ("peak GPU memory (max_memory_allocated)" if rows[0]["device"] == "cuda"
+              else "peak RSS over the RSS before set-up")
+    print(f"memory: {result['config']} {' '.join(result['overrides'])}\n"
+          f"  per worker, the largest of the d workers; {memory}; plan: hvdtrain.tools.plan.memory_bytes for the same "
+          f"config and d{'' if rows[0]['device'] == 'cuda' else ', without the CUDA overhead'}")
+    print(f"  {'d':>3} {'sharded':>8} {'optimizer state':>16} {'plan':>10} {'ratio':>6} {'peak':>12} {'plan':>12} "
+          f"{'ratio':>6}")
+    for r in rows:
+        p = r["predicted"]
+        print(f"  {r['copies']:>3} {'yes' if r['sharded'] else 'no':>8} {r['optimizer_bytes'] / MIB:>12.1f} MiB "
+              f"{p['optimizer_bytes'] / MIB:>6.1f} MiB {r['optimizer_bytes'] / p['optimizer_bytes']:>6.2f} "
+              f"{r['peak_bytes'] / MIB:>8.1f} MiB {p['peak_bytes'] / MIB:>8.1f} MiB "
+              f"{r['peak_bytes'] / p['peak_bytes']:>6.2f}")
+
+
+# ---------------------------------------------------------------- the worker
+
+def optimizer_bytes(optimizer) -> int:
+    """Bytes of the tensors the optimizer keeps: its state, and a sharded optimizer's fp32
+    master slices where they are not views into the weights."""
+    from hvdtrain.parallel.sharded_optimizer import ShardedOptimizer
+    tensors = [v for state in optimizer.state.values() for v in state.values() if hasattr(v, "element_size")]
+    if isinstance(optimizer, ShardedOptimizer):
+        tensors += [s.master for s in optimizer.slices if s.master._base is None]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def run_memory_worker(args) -> int:
+    """One rank of `bench memory`, started by horovodrun: set_up and run_steps of `hvdtrain
+    train`, then this rank's optimizer state and peak memory over the training steps."""
+    import torch
+
+    from hvdtrain.observe import step_timer
+    from hvdtrain.training import train as loop
+
+    cfg = load_config(args.config, args.overrides)
+    before_setup = proc_status_bytes("VmRSS")
+    setup = loop.set_up(cfg)
+    device = setup.world.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        try:  # "5" resets the peak resident size (VmHWM) to the current one
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            pass
+
+    def peak() -> int:
+        if device.type == "cuda":
+            return torch.cuda.max_memory_allocated(device)
+        return proc_status_bytes("VmHWM") - before_setup
+
+    peaks, state = [], []
+    original = step_timer.StepTimer.interval
+
+    def interval(self):  # at each log point (every step), before the final evaluation and save
+        peaks.append(peak())
+        state.append(optimizer_bytes(setup.optimizer))
+        return original(self)
+
+    step_timer.StepTimer.interval = interval
+    try:
+        loop.run_steps(cfg, setup)
+    finally:
+        step_timer.StepTimer.interval = original
+    print(RESULT_TAG + json.dumps({"rank": setup.world.rank, "peak_bytes": max(peaks), "optimizer_bytes": max(state),
+                                   "device": device.type}), flush=True)
+    return 0
+
+
+def add_cli(kinds):
+    """Register `bench memory` (and its internal worker) on the `bench` subparsers."""
+    p = kinds.add_parser("memory", help="per-worker optimizer state and peak memory, sharded and not, against the plan")
+    p.add_argument("config", nargs="?", help=f"YAML recipe (default: {DEFAULT_RECIPE} with a short context and a "
+                                             "small vocabulary); its data is replaced by synthetic data")
+    p.add_argument("overrides", nargs="*", help="dotted overrides such as model.n_layer=6")
+    p.add_argument("--copies", default="1,2,4", help="data-parallel workers d, two runs each (default 1,2,4)")
+    p.add_argument("--steps", type=int, default=3, help="steps per run (default 3)")
+    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per worker (default 1)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=run_memory_bench)
+
+    # Internal (no help, so not listed): what each horovodrun worker of `bench memory` runs.
+    p = kinds.add_parser("_memory-worker")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=run_memory_worker)
