@@ -44,7 +44,7 @@ LAYOUTS = [  # (stages, stages per rank, layer boundaries or None)
     (2, 1, None), (4, 1, None), (2, 2, None), (2, 1, [0, 1, 4]), (3, 1, [0, 0, 3, 4])]
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+@pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "modernbert"])
 @pytest.mark.parametrize("stages,per_rank,boundaries", LAYOUTS)
 def test_every_layout_starts_from_the_unsplit_model_s_weights_and_buffers(arch, stages, per_rank, boundaries):
     torch.manual_seed(3)

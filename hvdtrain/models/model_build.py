@@ -81,6 +81,7 @@ class Blueprint:
         # modules out of the tree: a tied weight is initialised as in the whole model also
         # where only one of its modules is kept.
         self.modules = list(_init_order(self.model, "", self.model._init_weights))
+        self.children = {id(m): dict(m._modules) for _, m, _ in self.modules}  # before a split
 
     def materialise(self, part: nn.Module) -> nn.Module:
         """Give `part` (blueprint.model or a part of it) real, filled parameters; returns it."""
@@ -96,7 +97,7 @@ class Blueprint:
             load_part(part, self.weights, self.aliases)
         else:
             self._initialise()
-        self.modules = []  # the modules the part does not hold can go now
+        self.modules, self.children = [], {}  # the modules the part does not hold can go now
         return part
 
     @torch.no_grad()
@@ -106,8 +107,15 @@ class Blueprint:
         with torch.random.fork_rng(devices=[]):
             for name, module, init in self.modules:
                 if any(not p.is_meta for p in module.parameters()):
+                    # The children the split took out are put back for this module's own
+                    # _init_weights (ModernBERT's model inits its decoder, tied to the embedding
+                    # this stage may hold); their other parameters are still on meta.
+                    dropped = {c: child for c, child in self.children[id(module)].items()
+                               if child is not None and module._modules.get(c) is None}
+                    module._modules.update(dropped)
                     torch.default_generator.manual_seed(module_seed(self.seed, name))
                     init(module)
+                    module._modules.update(dict.fromkeys(dropped))
 
 
 def _init_order(module: nn.Module, name: str, init) -> Iterator[tuple[str, nn.Module, Callable]]:
