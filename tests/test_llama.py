@@ -16,10 +16,13 @@ pytestmark = pytest.mark.workers
 LLAMA = {"model": {"arch": "llama", "n_kv_head": 1}}
 
 
-def test_compiled_blocks_and_activation_checkpointing_train_like_eager(tmp_path, tiny_config):
-    """models.prepare on Llama's decoder layers: the same losses as eager (checkpointing
-    recomputes the same ops; the compiler may round differently), identical ranks."""
-    config = tiny_config({**LLAMA, "train": {"max_steps": 3}})
+@pytest.mark.parametrize("model", [LLAMA["model"], {"arch": "modernbert", "local_attention": 8}],
+                         ids=["llama", "modernbert"])
+def test_compiled_blocks_and_activation_checkpointing_train_like_eager(tmp_path, tiny_config, model):
+    """models.apply_speedups on Llama's decoder and ModernBERT's encoder layers: the same losses
+    as eager (checkpointing recomputes the same ops; the compiler may round differently),
+    identical ranks."""
+    config = tiny_config({"model": model, "train": {"max_steps": 3}})
     eager, recomputed, compiled = tmp_path / "eager", tmp_path / "recomputed", tmp_path / "compiled"
     train_workers(2, config, f"out_dir={eager}")
     train_workers(2, config, f"out_dir={recomputed}", "model.activation_checkpointing=true")

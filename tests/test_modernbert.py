@@ -1,6 +1,7 @@
 """The ModernBERT family through the real training loop (horovodrun, Gloo, fp32, no dropout) in
-what its tests elsewhere do not cover: bf16, and continued pretraining from a local Hugging Face
-ModernBERT folder, also in pipeline stages. (exact resume: test_resume; np=2 = np=1:
+what its tests elsewhere do not cover: bf16 and fp16, and continued pretraining from a local Hugging Face
+ModernBERT folder, also in pipeline stages. (exact resume: test_resume; per-block compile and activation
+checkpointing: test_llama; np=2 = np=1:
 test_equivalence; stages: test_pipeline_training; FLOPs with the local window: test_flops;
 export, fill-mask and transformers' pipeline: test_recipes.)"""
 import math
@@ -16,13 +17,15 @@ pytestmark = pytest.mark.workers
 MODERNBERT = {"model": {"arch": "modernbert", "local_attention": 8}}
 
 
-def test_bf16_follows_fp32(tmp_path, tiny_config):
-    """bf16 autocast: finite losses that follow fp32's to bf16 rounding (random synthetic tokens
-    leave a masked LM little to learn in 8 steps, so it is compared, not asked to improve)."""
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_follows_fp32(tmp_path, tiny_config, precision):
+    """bf16 / fp16 autocast (fp16 with its loss scaler): finite losses that follow fp32's to
+    16-bit rounding (random synthetic tokens leave a masked LM little to learn in 8 steps, so
+    it is compared, not asked to improve)."""
     config = tiny_config({**MODERNBERT, "train": {"max_steps": 8, "lr": 3e-3}})
-    fp32, bf16 = tmp_path / "fp32", tmp_path / "bf16"
+    fp32, bf16 = tmp_path / "fp32", tmp_path / precision
     train_workers(2, config, f"out_dir={fp32}")
-    train_workers(2, config, f"out_dir={bf16}", "train.precision=bf16")
+    train_workers(2, config, f"out_dir={bf16}", f"train.precision={precision}")
     reference, losses = step_losses(fp32), step_losses(bf16)
     assert sorted(losses) == list(range(1, 9)) and all(math.isfinite(v) for v in losses.values())
     for step, loss in losses.items():

@@ -40,9 +40,11 @@ def test_the_shards_are_horovods_reduce_scatter_split():
 
 
 @pytest.mark.workers
-@pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
-def test_sharded_equals_unsharded_and_one_worker(tmp_path, tiny_config, optimizer):
-    config = tiny_config({**CLIPPED, "train": {**CLIPPED["train"], "optimizer": optimizer}})
+@pytest.mark.parametrize("optimizer,model", [
+    ("adamw", {}), ("lamb", {}), ("adamw", {"arch": "llama", "n_kv_head": 1}),
+    ("adamw", {"arch": "modernbert", "local_attention": 8})], ids=["adamw", "lamb", "llama", "modernbert"])
+def test_sharded_equals_unsharded_and_one_worker(tmp_path, tiny_config, optimizer, model):
+    config = tiny_config({**CLIPPED, "model": model, "train": {**CLIPPED["train"], "optimizer": optimizer}})
     one, two, sharded = tmp_path / "np1", tmp_path / "np2", tmp_path / "sharded"
     train_workers(1, config, f"out_dir={one}")
     train_workers(2, config, f"out_dir={two}")
