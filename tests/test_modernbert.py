@@ -1,9 +1,9 @@
 """The ModernBERT family through the real training loop (horovodrun, Gloo, fp32, no dropout) in
-what its tests elsewhere do not cover: bf16 and fp16, and continued pretraining from a local Hugging Face
-ModernBERT folder, also in pipeline stages. (exact resume: test_resume; per-block compile and activation
-checkpointing: test_llama; np=2 = np=1:
-test_equivalence; stages: test_pipeline_training; FLOPs with the local window: test_flops;
-export, fill-mask and transformers' pipeline: test_recipes.)"""
+what its tests elsewhere do not cover: bf16 and fp16, and continued pretraining from a local
+Hugging Face ModernBERT folder, also in pipeline stages. (exact resume: test_resume; per-block
+compile and activation checkpointing: test_llama; np=2 = np=1: test_equivalence; stages:
+test_pipeline_training; FLOPs with the local window: test_flops; export, fill-mask and
+transformers' pipeline: test_recipes.)"""
 import math
 
 import pytest
