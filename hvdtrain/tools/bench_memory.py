@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from hvdtrain.launching import launch
-from hvdtrain.tools.bench_common import RESULT_TAG, parse_ints, proc_status_bytes
+from hvdtrain.tools.bench_common import RESULT_TAG, parse_ints, train_sampling
 from hvdtrain.config import load_config
 from hvdtrain.errors import UserError
 
@@ -135,42 +135,14 @@ def optimizer_bytes(optimizer) -> int:
 def run_memory_worker(args) -> int:
     """One rank of `bench memory`, started by horovodrun: set_up and run_steps of `hvdtrain
     train`, then this rank's optimizer state and peak memory over the training steps."""
-    import torch
-
-    from hvdtrain.observe import step_timer
-    from hvdtrain.training import train as loop
-
-    cfg = load_config(args.config, args.overrides)
-    before_setup = proc_status_bytes("VmRSS")
-    setup = loop.set_up(cfg)
-    device = setup.world.device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    else:
-        try:  # "5" resets the peak resident size (VmHWM) to the current one
-            Path("/proc/self/clear_refs").write_text("5")
-        except OSError:
-            pass
-
-    def peak() -> int:
-        if device.type == "cuda":
-            return torch.cuda.max_memory_allocated(device)
-        return proc_status_bytes("VmHWM") - before_setup
-
     peaks, state = [], []
-    original = step_timer.StepTimer.interval
 
-    def interval(self):  # at each log point (every step), before the final evaluation and save
-        peaks.append(peak())
+    def sample(setup, peak_bytes):
+        peaks.append(peak_bytes())
         state.append(optimizer_bytes(setup.optimizer))
-        return original(self)
 
-    step_timer.StepTimer.interval = interval
-    try:
-        loop.run_steps(cfg, setup)
-    finally:
-        step_timer.StepTimer.interval = original
+    setup, _ = train_sampling(load_config(args.config, args.overrides), sample)
+    device = setup.world.device
     print(RESULT_TAG + json.dumps({"rank": setup.world.rank, "peak_bytes": max(peaks), "optimizer_bytes": max(state),
                                    "device": device.type}), flush=True)
     return 0

@@ -51,7 +51,7 @@ from pathlib import Path
 from hvdtrain.launching import launch
 from hvdtrain.observe import metrics
 from hvdtrain.tools import report
-from hvdtrain.tools.bench_common import RESULT_TAG, parse_ints, proc_status_bytes
+from hvdtrain.tools.bench_common import RESULT_TAG, parse_ints, train_sampling
 from hvdtrain.config import load_config
 from hvdtrain.errors import UserError
 from hvdtrain.parallel.pipeline_plan import ideal_bubble
@@ -227,45 +227,12 @@ def print_result(result: dict):
 def run_pipeline_worker(args) -> int:
     """One rank of `bench pipeline`, started by horovodrun: the training loop of `hvdtrain
     train` (set_up, then run_steps), and this rank's peak memory over the training steps."""
-    import torch
-
-    from hvdtrain.observe import step_timer
-    from hvdtrain.training import train as loop
-
-    cfg = load_config(args.config, args.overrides)
-    before_setup = proc_status_bytes("VmRSS")
-    setup = loop.set_up(cfg)
-    device = setup.world.device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    else:
-        try:  # "5" resets the peak resident size (VmHWM) to the current one
-            Path("/proc/self/clear_refs").write_text("5")
-        except OSError:
-            pass
-
-    def peak() -> int:
-        if device.type == "cuda":
-            return torch.cuda.max_memory_allocated(device)
-        return proc_status_bytes("VmHWM") - before_setup
-
-    # Read at every log point, the last one right after the last step: before the final
-    # evaluation, checkpoint and rebuilt whole model.
     peaks = []
-    original = step_timer.StepTimer.interval
-
-    def interval(self):
-        peaks.append(peak())
-        return original(self)
-
-    step_timer.StepTimer.interval = interval
-    try:
-        loop.run_steps(cfg, setup)
-    finally:
-        step_timer.StepTimer.interval = original
+    setup, peak_bytes = train_sampling(load_config(args.config, args.overrides),
+                                       lambda setup, peak_bytes: peaks.append(peak_bytes()))
+    device = setup.world.device
     print(RESULT_TAG + json.dumps({"rank": setup.world.rank, "stage": setup.layout.stage if setup.layout else None,
-                                   "peak_bytes": max(peaks) if peaks else peak(), "peaks": peaks,
+                                   "peak_bytes": max(peaks) if peaks else peak_bytes(), "peaks": peaks,
                                    "device": device.type}), flush=True)
     return 0
 
