@@ -5,8 +5,11 @@ GPT-2, BERT, Llama, ModernBERT):
   * `<family>/__init__.py` (no torch import, so `hvdtrain plan` and config checks start fast):
     a `Family` with the training objective, the tokenizer it trains, and its parameter counts
     for FLOPs, MFU and the planner;
-  * `<family>/modeling.py` (torch): building the `transformers` model, its repeated blocks, the
-    inputs of its output head, and the parts a pipeline stage is cut from.
+  * `<family>/modeling.py` (torch): what builds the `transformers` model (`model_maker`) and
+    its `PARTS` (ModelParts): where its body, layers and masked-LM head are, and the steps a
+    pipeline stage is cut from.
+Beside the families: `common` (building a model of any family, the loss), `model_build` (the
+meta-device build and per-module initialisation), `ties` (tied parameter names), `flops`.
 
 Adding a family means adding a folder and one line to FAMILIES. Code elsewhere asks
 `family(cfg.model.arch)` (or `family_of_model_type(config.model_type)` for a model that exists)
