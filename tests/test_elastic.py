@@ -251,7 +251,7 @@ def test_a_stuck_worker_says_where_and_leaves_and_the_other_finishes_like_a_sing
     said = [line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if LEAVING in line]
     assert len(said) == 1, proc.stderr[-3000:]
     assert re.search(rf"{LEAVING}rank 1 on host \S+ is stuck: no step finished in {3 * STALL_TIMEOUT} s after step 0 "
-                     rf"\(horovod\.stall_timeout_s={STALL_TIMEOUT}\); in run_steps \(hvdtrain/train\.py:\d+\)$",
+                     rf"\(horovod\.stall_timeout_s={STALL_TIMEOUT}\); in run_steps \(hvdtrain/training/train\.py:\d+\)$",
                      said[0]), said[0]
     [reset] = events(out)
     assert (reset["old_world_size"], reset["world_size"], reset["step"]) == (2, 1, 0)
