@@ -69,3 +69,12 @@ def train_sampling(cfg, sample):
     finally:
         step_timer.StepTimer.interval = original
     return setup, peak_bytes
+
+
+def add_worker_parser(kinds, name: str, func):
+    """The internal `bench _NAME-worker CONFIG [key=value ...]` command that each horovodrun
+    worker of a benchmark runs (no help, so `bench --help` does not list it)."""
+    p = kinds.add_parser(f"_{name}-worker")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=func)

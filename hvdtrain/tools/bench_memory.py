@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from hvdtrain.launching import launch
-from hvdtrain.tools.bench_common import RESULT_TAG, parse_ints, train_sampling
+from hvdtrain.tools.bench_common import RESULT_TAG, add_worker_parser, parse_ints, train_sampling
 from hvdtrain.config import load_config
 from hvdtrain.errors import UserError
 
@@ -159,9 +159,4 @@ def add_cli(kinds):
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per worker (default 1)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run_memory_bench)
-
-    # Internal (no help, so not listed): what each horovodrun worker of `bench memory` runs.
-    p = kinds.add_parser("_memory-worker")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*")
-    p.set_defaults(func=run_memory_worker)
+    add_worker_parser(kinds, "memory", run_memory_worker)

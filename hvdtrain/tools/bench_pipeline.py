@@ -51,7 +51,7 @@ from pathlib import Path
 from hvdtrain.launching import launch
 from hvdtrain.observe import metrics
 from hvdtrain.tools import report
-from hvdtrain.tools.bench_common import RESULT_TAG, parse_ints, train_sampling
+from hvdtrain.tools.bench_common import RESULT_TAG, add_worker_parser, parse_ints, train_sampling
 from hvdtrain.config import load_config
 from hvdtrain.errors import UserError
 from hvdtrain.parallel.pipeline_plan import ideal_bubble
@@ -256,9 +256,4 @@ def add_cli(kinds):
     p.add_argument("--repeats", type=int, default=1, help="runs of each layout, alternated (default 1)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run_pipeline_bench)
-
-    # Internal (no help, so not listed): what each horovodrun worker of `bench pipeline` runs.
-    p = kinds.add_parser("_pipeline-worker")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*")
-    p.set_defaults(func=run_pipeline_worker)
+    add_worker_parser(kinds, "pipeline", run_pipeline_worker)
