@@ -36,16 +36,19 @@ def test_gpt2_124m_fp32_state():
     assert "autocast 16-bit weight copies" not in parts
 
 
-@pytest.mark.parametrize("precision,per_param", [("fp32", lambda d: 8 + 12 / d), ("fp16", lambda d: 8 + 12 / d),
-                                                 ("bf16", lambda d: 6 + 16 / d)])
+@pytest.mark.parametrize("precision,per_param", [("fp32", lambda d: 8 + 8 / d), ("fp16", lambda d: 8 + 8 / d),
+                                                 ("bf16", lambda d: 6 + 12 / d)])
 def test_a_sharded_optimizer_divides_its_state_by_the_copies(precision, per_param):
     """Megatron's distributed optimizer's counts (fp32 weights and gradients, 1/d of the moments;
     in bf16, bf16 weights, fp32 gradients, 1/d of the fp32 masters and moments, no autocast
-    copies) and the 1/d of reduced gradient slices Horovod's reduce-scatter allocates."""
-    for d in (1, 2, 4, 64):
-        cfg = config_from_dict({"train": {"precision": precision}, "parallel": {"shard_optimizer": True}})
-        parts = planmod.weight_state_bytes(cfg, 1 << 20, 0, copies=d)
-        assert sum(parts.values()) == per_param(d) * (1 << 20)
+    copies), and the reduce-scatter outputs in flight beside the full gradients: 1/d of one
+    fusion buffer (Horovod's 128 MiB), or of the gradients when they are smaller."""
+    for n in (1 << 20, 1 << 30):
+        in_flight = min(4 * n, 128 * 2 ** 20)
+        for d in (1, 2, 4, 64):
+            cfg = config_from_dict({"train": {"precision": precision}, "parallel": {"shard_optimizer": True}})
+            parts = planmod.weight_state_bytes(cfg, n, 0, copies=d)
+            assert sum(parts.values()) == per_param(d) * n + in_flight // d
 
 
 def test_gpt2_124m_bf16_state():

@@ -3,6 +3,7 @@
 run, step by step; every rank agrees to skip a step whose gradients only one rank's slices
 show to be non-finite; checkpoints whose slices any layout resumes; one line for what it
 does not support."""
+import json
 import math
 
 import pytest
@@ -57,6 +58,18 @@ def test_sharded_equals_unsharded_and_one_worker(tmp_path, tiny_config, optimize
         assert_close_params(load_params(reference, 0), load_params(sharded, 0))
     # The allgather leaves every rank with the same weights.
     assert all(torch.equal(v, load_params(sharded, 1)[k]) for k, v in load_params(sharded, 0).items())
+
+
+@pytest.mark.workers
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_full_gradient_is_freed_once_its_reduce_scatter_is_done_during_backward(tmp_path, tiny_config, dtype):
+    """The reduced slices take the full gradients' place (8 + 8/d bytes per parameter, bf16
+    6 + 12/d), not beside them until backward ends."""
+    proc = horovodrun(2, [WORKERS / "sharded_freeing.py", tiny_config(), dtype], timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT " in line]
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    assert all(r["freed"] and r["taken"] and r["complete"] for r in results), results
 
 
 @pytest.mark.workers

@@ -29,12 +29,15 @@ Memory per parameter: fp32 weights (the master slices are views into them) 4 + g
 moments 8/d = 8 + 8/d. With train.precision=bf16 the model's weights themselves are bf16 (the
 computation's weights, 2 B), the gradients are accumulated in fp32 (4 B: each micro batch's
 bf16 .grad is added into them and freed, as Megatron's main_grad), and the fp32 master slices
-(4/d) and moments (8/d) are this copy's own: 6 + 12/d. Transient: the reduced gradient slices
-(4/d), which Horovod's reduce-scatter allocates (Megatron reduces in place into its gradient
-buffer) and which live beside the full gradients until those are freed, so at that moment
-8 + 12/d (bf16: 6 + 16/d); and one bucket of gathered weights at a time (GATHER_BUCKET_BYTES),
-once the slices are freed. Horovod's own working buffers come on top (its fusion buffer,
-and on Gloo about 200 MiB more per worker measured by `hvdtrain bench memory`, see docs/memory.md).
+(4/d) and moments (8/d) are this copy's own: 6 + 12/d. The reduced gradient slices (4/d) take
+the place of the full gradients: Horovod's reduce-scatter allocates its output (Megatron
+reduces in place into its gradient buffer; Horovod cannot), and each parameter's full gradient
+is freed as soon as its reduce-scatter is done (`_collect_done`, polled from the gradient hooks
+while backward goes on), so the two live side by side only for the reductions in flight: at
+most one fusion buffer's worth during backward, one bucket (BUCKET_BYTES) after it. Transient
+too: one bucket of gathered weights at a time, once the slices are freed. Horovod's own
+working buffers come on top (its fusion buffer; on Gloo a copy of each tensor it reduces
+alone and the halving-doubling algorithm's buffers, see docs/memory.md).
 The reduce-scatter and the allgather both carry fp32 (the masters are fp32; Horovod's CPU
 collectives take no bf16): together the bytes of today's fp32 allreduce.
 
@@ -43,7 +46,7 @@ is enqueued from its post-accumulate-grad hook as soon as its gradient is comple
 Horovod's background thread runs (and fuses) them while backward goes on, as
 hvd.DistributedOptimizer does with its allreduces. With `reduce_during=False` (pipeline stages
 reducing after the schedule's run: NCCL must not run Horovod's collectives beside the
-pipeline's send/recv) they are one grouped reduce-scatter after backward. What does not
+pipeline's send/recv) they are grouped reduce-scatters after backward, one bucket at a time. What does not
 overlap: the wait for the last gradients (the embeddings', complete when backward ends), the
 norm and found-inf reductions, the step, and the allgather, which runs after the step and
 before the next forward (Megatron overlaps it with the next forward, waiting for each layer's
@@ -53,6 +56,7 @@ Checkpoints (hvdtrain.checkpointing.checkpoint.write_slices): every copy writes 
 weights and of the optimizer state under the parameters' names; any layout, sharded or not,
 reads them back (checkpoint.read_ranges reads only the range a slice needs).
 """
+from collections import deque
 from dataclasses import dataclass
 from functools import partial
 
@@ -68,9 +72,10 @@ try:  # as in distributed.py
 except ImportError:  # pragma: no cover
     hvd = None
 
-# Bytes of weights one grouped allgather brings back at most: bounds the transient copy (as
-# Horovod's 128 MiB fusion buffer default does for its allreduces).
-GATHER_BUCKET_BYTES = 128 * 2 ** 20
+# Bytes of gradients one grouped reduce-scatter after backward takes, and of weights one grouped
+# allgather brings back, at most: bounds the transient copies (as Horovod's 128 MiB fusion buffer
+# default does for its allreduces).
+BUCKET_BYTES = 128 * 2 ** 20
 STATE_FIELDS = ("step", "exp_avg", "exp_avg_sq")  # what AdamW and LAMB keep per parameter
 
 
@@ -93,6 +98,7 @@ class _Slice:
     main_grad: torch.Tensor | None = None  # 16-bit weights: the fp32 sum of the step's gradients
     passes: int = 0                # backward passes of this step that reached the parameter
     handle: object = None          # its reduce-scatter, once started
+    reduced: bool = False          # its reduced slice taken, this step
 
 
 class ShardedOptimizer:
@@ -139,6 +145,7 @@ class ShardedOptimizer:
                                    train_cfg, peak_lr, device, lamb_norms=self._sum_over_copies)
         self._step_supports_amp_scaling = getattr(self.inner, "_step_supports_amp_scaling", False)
         self.by_param = {id(s.param): s for s in self.slices}
+        self.in_flight = deque()  # slices whose reduce-scatter started during backward, oldest first
         for s in self.slices:
             s.param.register_post_accumulate_grad_hook(partial(self._on_gradient, s))
 
@@ -161,6 +168,19 @@ class ShardedOptimizer:
         if self.reduce_during and s.passes == self.backward_passes:  # complete: reduce it now, during backward
             # Horovod: reduce-scatter, in the background while backward goes on
             s.handle = hvd.reducescatter_async(self._full_grad(s), name=f"shard.{s.name}", **self.reduce_args)
+            self.in_flight.append(s)
+            self._collect_done()
+
+    def _collect_done(self, wait: bool = False):
+        """Take the reduced slices of the reduce-scatters that are done (all of them with `wait`),
+        oldest first, freeing their full gradients: the slices then take the full gradients' place."""
+        while self.in_flight and (wait or hvd.poll(self.in_flight[0].handle)):
+            s = self.in_flight.popleft()
+            self._take(s, hvd.synchronize(s.handle))
+
+    def _take(self, s: _Slice, reduced: torch.Tensor):
+        s.master.grad, s.reduced = reduced, True
+        s.handle, s.passes, s.main_grad, s.param.grad = None, 0, None, None
 
     def _full_grad(self, s: _Slice) -> torch.Tensor:
         grad = s.main_grad if self.compute_dtype != torch.float32 else s.param.grad
@@ -170,19 +190,30 @@ class ShardedOptimizer:
 
     def reduce_gradients(self):
         """Every slice's reduced gradient in its `.grad` (waits for the reduce-scatters started
-        during backward; starts, in one grouped reduce-scatter, those that were not), and the
-        full gradients freed."""
-        waiting = [s for s in self.slices if s.handle is None]
-        if waiting:
-            # Horovod: grouped reduce-scatter of the gradients not yet reduced
-            handle = hvd.grouped_reducescatter_async([self._full_grad(s) for s in waiting], name="shard.grads",
-                                                     **self.reduce_args)
-            for s, reduced in zip(waiting, hvd.synchronize(handle)):
-                s.master.grad = reduced
+        during backward; starts those that were not in grouped reduce-scatters of at most
+        BUCKET_BYTES each, one at a time), and the full gradients freed."""
+        self._collect_done(wait=True)
+        for bucket in self._buckets([s for s in self.slices if not s.reduced]):
+            # Horovod: grouped reduce-scatter of gradients not yet reduced
+            handle = hvd.grouped_reducescatter_async([self._full_grad(s) for s in bucket],
+                                                     name=f"shard.grads.{bucket[-1].name}", **self.reduce_args)
+            for s, reduced in zip(bucket, hvd.synchronize(handle)):
+                self._take(s, reduced)
         for s in self.slices:
-            if s.handle is not None:
-                s.master.grad = hvd.synchronize(s.handle)
-            s.handle, s.passes, s.main_grad, s.param.grad = None, 0, None, None
+            s.reduced = False
+
+    @staticmethod
+    def _buckets(slices: list[_Slice]):
+        """`slices` in consecutive groups of at most BUCKET_BYTES of fp32 (one slice alone if larger)."""
+        bucket, size = [], 0
+        for s in slices:
+            if bucket and size + 4 * s.param.numel() > BUCKET_BYTES:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append(s)
+            size += 4 * s.param.numel()
+        if bucket:
+            yield bucket
 
     def grads(self) -> list[torch.Tensor]:
         """This copy's reduced gradient slices."""
@@ -235,18 +266,13 @@ class ShardedOptimizer:
         self.inner.step()
         self.inner.found_inf = self.inner.grad_scale = None
         self.zero_grad()  # the reduced slices are spent: their memory is free for the gathered weights
-        bucket, size = [], 0
-        for s in self.slices:
-            bucket.append(s)
-            size += s.param.numel() * s.param.element_size()
-            if size >= GATHER_BUCKET_BYTES or s is self.slices[-1]:
-                # Horovod: grouped allgather of the updated slices; fp32 on the wire (Horovod's CPU
-                # collectives take no bf16), cast into 16-bit weights
-                gathered = hvd.grouped_allgather([b.master for b in bucket], name=f"shard.weights.{s.name}",
-                                                 process_set=self.process_set)
-                for b, whole in zip(bucket, gathered):
-                    b.param.detach().view(-1).copy_(whole)
-                bucket, size = [], 0
+        for bucket in self._buckets(self.slices):
+            # Horovod: grouped allgather of the updated slices; fp32 on the wire (Horovod's CPU
+            # collectives take no bf16), cast into 16-bit weights
+            gathered = hvd.grouped_allgather([s.master for s in bucket], name=f"shard.weights.{bucket[-1].name}",
+                                             process_set=self.process_set)
+            for s, whole in zip(bucket, gathered):
+                s.param.detach().view(-1).copy_(whole)
 
     def zero_grad(self):
         for s in self.slices:

@@ -17,8 +17,9 @@ Four estimates, each plain arithmetic on the config (no torch, no GPU):
    hvdtrain.parallel.sharded_optimizer) over d data-parallel copies (of each stage): fp32 and fp16
    keep fp32 weights 4 + gradients 4 + moments 8/d (8 + 8/d); bf16 computes in bf16 weights
    2 + fp32 gradients 4 + fp32 master slices 4/d + moments 8/d (6 + 12/d), no autocast copies
-   (the weights are 16-bit already); plus the reduced gradient slices (4/d) that Horovod's
-   reduce-scatter allocates beside the full gradients before these are freed.
+   (the weights are 16-bit already); the reduced gradient slices take the freed full gradients'
+   place, and live beside them only while their reduce-scatters are in flight (at most one
+   fusion buffer's worth, divided by d).
 2. Step time on N GPUs from a measured 1-worker step time and a ring-allreduce model
    (`ring_allreduce_seconds`) overlapped with backward (`exposed_comm_seconds`).
 3. The micro batch and accumulation that keep a target global batch on N GPUs, or, when the
@@ -147,7 +148,10 @@ def weight_state_bytes(cfg, n_params: int, matmul_params: float, copies: int = 1
     parameters (`matmul_params` of them in matmuls), as the module's notes count them: the
     optimizer sharded over `copies` data-parallel copies with parallel.shard_optimizer."""
     opt = cfg.train.optimizer
-    sliced = {f"reduced gradient slices (fp32, 1/{copies})": 4 * n_params // copies}
+    # The slices of the reductions in flight, beside the full gradients not yet freed (with fusion
+    # off, the reduce-scatters after backward still go in buckets of Horovod's default size).
+    in_flight = fusion_buffer_bytes(cfg) or HOROVOD_FUSION_DEFAULT_MIB * MIB
+    sliced = {f"reduce-scatter outputs in flight (1/{copies} of a fusion buffer)": min(in_flight, 4 * n_params) // copies}
     if cfg.parallel.shard_optimizer and cfg.train.precision == "bf16":
         return {"parameters (bf16)": 2 * n_params, "gradients (fp32)": 4 * n_params, **sliced,
                 f"master weights (fp32, sharded 1/{copies})": 4 * n_params // copies,
