@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from helpers import assert_same_losses, assert_same_params, load_params, read_metrics, step_losses, train_workers
+from helpers import (assert_same_params, load_params, read_metrics, step_losses, train_workers,
+                     two_stages_equal_one_worker)
 
 pytestmark = pytest.mark.workers
 
@@ -47,13 +48,7 @@ def test_continued_pretraining_from_a_local_folder_also_in_two_stages(tmp_path, 
     config = tiny_config({"model": {"arch": "modernbert", "pretrained": str(folder)},
                           "train": {"micro_batch_size": 2, "global_batch_size": 8, "max_steps": 3, "lr": 1e-3},
                           "eval": {"every": 3}})
-    one, two = tmp_path / "one", tmp_path / "two"
-    train_workers(1, config, f"out_dir={one}")
-    train_workers(2, config, f"out_dir={two}", "parallel.pipeline_stages=2")
-    assert_same_losses(step_losses(one), step_losses(two), min_steps=3)
-    stages = {**load_params(two, 0), **load_params(two, 1)}
-    for name, value in load_params(one, 0).items():  # within a tenth of one lr step (see test_llama)
-        assert torch.allclose(value, stages[name], rtol=0, atol=1e-4), (name, (value - stages[name]).abs().max())
+    one = two_stages_equal_one_worker(tmp_path, config)
     start = ModernBertForMaskedLM.from_pretrained(folder).state_dict()
     assert abs(read_metrics(one)[1][0]["eval_loss"] - math.log(128)) < 0.5  # the folder's random model
     moved = load_params(one, 0)["model.layers.1.mlp.Wi.weight"] - start["model.layers.1.mlp.Wi.weight"]

@@ -36,12 +36,12 @@ def test_13b_pipeline_recipe_fits_80_gb_in_16_sharded_stages_on_64_gpus():
     assert 12.8e9 < p["model"]["params"] < 12.9e9
     assert not p["memory"]["fits"]  # not on one GPU
     chosen = p["pipeline"]["chosen"]
-    assert chosen["fits"] and chosen["largest"] < 48 * GIB and not chosen["checkpointing"]
+    assert chosen["fits"] and chosen["largest"] < 47 * GIB and not chosen["checkpointing"]
     assert (chosen["stages"], chosen["copies"], chosen["microbatches"], chosen["runs"]) == (16, 4, 256, 1)
     assert chosen["bubble"] == pytest.approx(15 / 271)
     assert chosen["step_s"] == min(r["step_s"] for r in p["pipeline"]["rows"] if "error" not in r and r["fits"])
     h200 = plan(cfg, gpus=64, gpu="H200", pp=2)["pipeline"]["chosen"]
-    assert h200["fits"] and h200["largest"] < 58 * GIB
+    assert h200["fits"] and h200["largest"] < 57.1 * GIB
 
 
 def test_70b_pipeline_recipe_fits_64_gpus_of_80_gb_only_sharded():
@@ -51,7 +51,7 @@ def test_70b_pipeline_recipe_fits_64_gpus_of_80_gb_only_sharded():
     p = plan(cfg, gpus=64, gpu="H100")
     assert 64e9 < p["model"]["params"] < 65e9
     chosen = p["pipeline"]["chosen"]
-    assert chosen["stages"] == 16 and chosen["fits"] and chosen["largest"] < 69 * GIB
+    assert chosen["stages"] == 16 and chosen["fits"] and chosen["largest"] < 64 * GIB
     unsharded = load_config(str(RECIPES[0].parent / "gpt-70b-pipeline.yaml"), ["parallel.shard_optimizer=false"])
     rows = {r["stages"]: r for r in plan(unsharded, gpus=64, gpu="H100")["pipeline"]["rows"]}
     assert not any(r.get("fits") for p, r in rows.items() if p <= 16) and rows[32]["fits"]

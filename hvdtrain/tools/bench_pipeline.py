@@ -34,8 +34,8 @@ stage's parameters and optimizer state, the activations and the pipeline's buffe
 peak resident set size (VmHWM, reset after set-up) less the resident size before set-up (the
 libraries): what the data, the stage, its optimizer state, its activations and buffers added
 (the workers run with glibc's mmap threshold fixed, see one_run, so that RSS follows live memory).
-Set-up is left out because every rank builds the whole model on the CPU before keeping its stage
-(a known limit, the same with and without stages). The peak is read at each log point, before
+Set-up is left out: it is measured by `python -m hvdtrain.tools.startup_memory` (each rank
+builds only its stage). The peak is read at each log point, before
 the final evaluation, checkpoint and (rank 0 of a pipeline) the whole model rebuilt for the
 run's Hugging Face folder.
 """
