@@ -50,10 +50,12 @@ def run_cmd(args: list, timeout: int = 300, env: dict | None = None) -> subproce
                           env=dict(os.environ, **OFFLINE, **SHARED_CORES, **(env or {})), cwd=REPO)
 
 
-def start_cmd(args: list, env: dict | None = None) -> subprocess.Popen:
-    """run_cmd's command, started: the test acts on it while it runs."""
+def start_cmd(args: list, env: dict | None = None, new_session: bool = False) -> subprocess.Popen:
+    """run_cmd's command, started: the test acts on it while it runs (`new_session`: as a shell's
+    job, in a process group of its own)."""
     return subprocess.Popen([str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, **OFFLINE, **SHARED_CORES, **(env or {})), cwd=REPO)
+                            env=dict(os.environ, **OFFLINE, **SHARED_CORES, **(env or {})), cwd=REPO,
+                            start_new_session=new_session)
 
 
 def hvdtrain(*args, **kw) -> subprocess.CompletedProcess:
@@ -84,6 +86,13 @@ def train_workers(np: int, config: Path, *overrides, worker: str = "train_and_du
     proc = mpirun(np, args, **kw) if launcher == "mpirun" else horovodrun(np, args, controller=launcher, **kw)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
+
+
+def training_workers(out_dir) -> list[int]:
+    """The pids of this run's training workers (python -m hvdtrain.cli train ... out_dir=...)."""
+    import psutil
+    return [p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[1:4] == ["-m", "hvdtrain.cli", "train"]
+            and f"out_dir={out_dir}" in p.info["cmdline"]]
 
 
 def discovery(tmp_path, hosts: list[str]):

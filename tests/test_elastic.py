@@ -14,7 +14,8 @@ import pytest
 import psutil
 
 from helpers import (BIN, REPO, WORKERS, assert_same_losses, assert_same_params, discovery, hvdtrain,
-                     load_params, read_metrics, run_cmd, start_cmd, step_losses, steps_logged, train_workers)
+                     load_params, read_metrics, run_cmd, start_cmd, step_losses, steps_logged, train_workers,
+                     training_workers)
 from hvdtrain.checkpointing import checkpoint
 from hvdtrain.launching.relay import LEAVING
 from hvdtrain.observe.metrics import FILE_NAME, read_records
@@ -33,13 +34,13 @@ def elastic_run(np: int, tmp_path, config, out, env: dict, *overrides, min_np=1,
     return proc
 
 
-def start_elastic_launch(tmp_path, config, out, *options) -> subprocess.Popen:
+def start_elastic_launch(tmp_path, config, out, *options, new_session: bool = False) -> subprocess.Popen:
     """`hvdtrain launch --elastic` of 2 workers (one on each discovered host; down to 1 unless
-    `options` say otherwise), started."""
+    `options` say otherwise), started (`new_session`: in a process group of its own)."""
     return start_cmd([BIN / "hvdtrain", "launch", "-np", "2", "--elastic", "--min-np", "1", "--max-np", "2",
                       "--host-discovery-script",
                       discovery(tmp_path, ["localhost:1", "127.0.0.1:1"]), "--network-interface", "lo", *options,
-                      config, f"out_dir={out}"])
+                      config, f"out_dir={out}"], new_session=new_session)
 
 
 def events(out) -> list[dict]:
@@ -257,3 +258,29 @@ def test_a_stuck_worker_says_where_and_leaves_and_the_other_finishes_like_a_sing
     assert (reset["old_world_size"], reset["world_size"], reset["step"]) == (2, 1, 0)
     assert_same_losses(step_losses(reference), step_losses(out), min_steps=STEPS)
     assert_same_params(load_params(reference, 0), load_params(out, 0), atol=1e-5)
+
+
+@pytest.mark.workers
+def test_the_workers_of_an_elastic_launch_killed_with_its_process_group_stop_by_themselves(tmp_path, tiny_config):
+    """`kill -9` of the launcher's process group (the fault campaign's finding: the guard died
+    with it, and the elastic workers trained on to the end, exporting into the run folder)."""
+    out = tmp_path / "run"
+    config = tiny_config({**ELASTIC, "train": {**ELASTIC["train"], "max_steps": 500, "slow_ranks": [0, 1],
+                                               "slow_seconds": 0.2}})
+    launcher = start_elastic_launch(tmp_path, config, out, new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").exists() or len(training_workers(out)) < 2:
+            assert launcher.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.2)
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 30
+        while training_workers(out) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert training_workers(out) == [], "workers still training 30 s after their launcher's group was killed"
+    finally:
+        for pid in training_workers(out):
+            os.kill(pid, signal.SIGKILL)
+        launcher.stdout.close()
+        launcher.stderr.close()

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers import BIN, horovodrun, hvdtrain, inject
+from helpers import BIN, horovodrun, hvdtrain, inject, training_workers
 from hvdtrain.launching.relay import Relay
 
 # ---------------------------------------------------------------- recorded output
@@ -313,29 +313,28 @@ def test_hosts_and_slots_are_checked_before_anything_starts(tmp_path, tiny_confi
         assert len(proc.stderr.splitlines()) == 1
 
 
-def training_workers(out_dir) -> list[int]:
-    """The pids of this run's training workers (python -m hvdtrain.cli train ... out_dir=...)."""
-    import psutil
-    return [p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[1:4] == ["-m", "hvdtrain.cli", "train"]
-            and f"out_dir={out_dir}" in p.info["cmdline"]]
-
-
 @pytest.mark.workers
-@pytest.mark.parametrize("controller", ["gloo", "mpi"])
-def test_the_workers_of_a_killed_launcher_stop_by_themselves(tmp_path, tiny_config, controller):
-    """SIGKILL of `hvdtrain launch` alone (its terminal closed, an OOM kill): horovodrun and the
-    workers must not go on training into the run folder beside a relaunched job."""
+@pytest.mark.parametrize("controller,killed", [("gloo", "launcher"), ("mpi", "launcher"), ("gloo", "group")])
+def test_the_workers_of_a_killed_launcher_stop_by_themselves(tmp_path, tiny_config, controller, killed):
+    """SIGKILL of `hvdtrain launch` alone (its terminal closed, an OOM kill), or of its whole
+    process group (a shell's `kill -9 %1`, which also reaches what the launcher started in its
+    group): horovodrun and the workers must not go on training into the run folder beside a
+    relaunched job."""
     import signal
     from helpers import start_cmd
     out = tmp_path / "run"
     config = tiny_config({"train": {"max_steps": 500, "slow_ranks": [0, 1], "slow_seconds": 0.2}})
-    launcher = start_cmd([BIN / "hvdtrain", "launch", "-np", "2", f"--{controller}", config, f"out_dir={out}"])
+    launcher = start_cmd([BIN / "hvdtrain", "launch", "-np", "2", f"--{controller}", config, f"out_dir={out}"],
+                         new_session=True)
     try:
         deadline = time.monotonic() + 120
         while not (out / "metrics.jsonl").exists() or len(training_workers(out)) < 2:
             assert launcher.poll() is None and time.monotonic() < deadline, "the run did not start"
             time.sleep(0.2)
-        launcher.kill()
+        if killed == "group":
+            os.killpg(launcher.pid, signal.SIGKILL)
+        else:
+            launcher.kill()
         launcher.wait()
         deadline = time.monotonic() + 20
         while training_workers(out) and time.monotonic() < deadline:

@@ -134,7 +134,10 @@ def run_launch(args) -> int:
     # launcher goes on showing what they say until they have stopped.
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                             start_new_session=True)
-    guard = subprocess.Popen([sys.executable, "-m", "hvdtrain.launching.launcher_guard", str(proc.pid), str(os.getpid())])
+    # The guard in a session of its own too: a SIGKILL to the launcher's whole process group (a
+    # shell's `kill -9 %1`) must not take the guard with it.
+    guard = subprocess.Popen([sys.executable, "-m", "hvdtrain.launching.launcher_guard", str(proc.pid), str(os.getpid())],
+                             start_new_session=True)
 
     def pass_on(signum, frame):
         try:

@@ -1,7 +1,8 @@
 """The launcher's guard: when `hvdtrain launch` dies, even by SIGKILL, its job stops too.
 
 `hvdtrain launch` starts horovodrun in a process group of its own and this small process beside
-it, armed with Linux's parent-death signal: when the launcher dies, the guard gets SIGTERM and
+it, in a session of its own (so that a SIGKILL to the launcher's process group spares it),
+armed with Linux's parent-death signal: when the launcher dies, the guard gets SIGTERM and
 passes it to horovodrun's group (horovodrun, and under --mpi the shell and mpirun it starts).
 They stop the workers as on a preemption, so none goes on training into the run folder beside a
 relaunched job. A launcher that ends normally kills its guard first.
