@@ -15,7 +15,7 @@ reports
     activations and Horovod's fusion buffer (glibc's mmap threshold fixed, as `bench pipeline`
     does, so that the resident size follows live memory).
 next to the plan's prediction for the same config and d (hvdtrain.tools.plan.memory_bytes: the
-optimizer's parts, and the total without the CUDA overhead on a CPU) and their ratio.
+optimizer's parts, and the total; on a CPU, see `predicted`) and their ratio.
 The default recipe is a GPT of 12 layers x 768 whose state dominates its memory.
 """
 import argparse
@@ -39,6 +39,7 @@ DEFAULT_OVERRIDES = ["data.source=synthetic", "data.tokenizer=train", "data.hub_
                      "train.micro_batch_size=1", "train.grad_accum=1", "train.global_batch_size=null",
                      "train.precision=fp32", "model.compile=false", "model.dropout=0.0"]
 MIB = 2 ** 20
+CPU_PLAN = ", without the CUDA overhead, sharded with Gloo's reduce-scatter working memory"
 
 
 def run_overrides(args, sharded: bool, out_dir: Path) -> list[str]:
@@ -49,12 +50,17 @@ def run_overrides(args, sharded: bool, out_dir: Path) -> list[str]:
 
 def predicted(cfg, copies: int, device: str) -> dict:
     """The plan's bytes per worker: the optimizer's parts (moments, master weights) and the
-    total, without the CUDA overhead on a CPU."""
+    total; on a CPU without the CUDA overhead and, sharded, with one fusion buffer more: the
+    working memory of Gloo's reduce-scatter (which NCCL's, the plan's, does not have), measured
+    as the peak's excess over the plan falling with horovod.fusion_threshold_mb (d=4: 144 MiB at
+    the default 128 MiB, 34 MiB at 32 MiB; docs/memory.md)."""
     from hvdtrain.tools import plan
     parts = plan.memory_bytes(cfg, cfg.train.micro_batch_size, cfg.model.activation_checkpointing,
                               copies=copies)["parts"]
     if device != "cuda":
         parts.pop("CUDA context and workspaces")
+        if cfg.parallel.shard_optimizer:
+            parts["Gloo reduce-scatter working memory"] = plan.fusion_buffer_bytes(cfg)
     optimizer = sum(v for k, v in parts.items() if k.startswith(("optimizer state", "master weights")))
     return {"optimizer_bytes": optimizer, "peak_bytes": sum(parts.values())}
 
@@ -109,7 +115,7 @@ def print_result(result: dict):
               else "peak RSS over the RSS before set-up")
     print(f"memory: {result['config']} {' '.join(result['overrides'])}\n"
           f"  per worker, the largest of the d workers; {memory}; plan: hvdtrain.tools.plan.memory_bytes for the same "
-          f"config and d{'' if rows[0]['device'] == 'cuda' else ', without the CUDA overhead'}")
+          f"config and d{'' if rows[0]['device'] == 'cuda' else CPU_PLAN}")
     print(f"  {'d':>3} {'sharded':>8} {'optimizer state':>16} {'plan':>10} {'ratio':>6} {'peak':>12} {'plan':>12} "
           f"{'ratio':>6}")
     for r in rows:
