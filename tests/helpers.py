@@ -4,6 +4,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,32 @@ def training_workers(out_dir) -> list[int]:
     import psutil
     return [p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[1:4] == ["-m", "hvdtrain.cli", "train"]
             and f"out_dir={out_dir}" in p.info["cmdline"]]
+
+
+def assert_workers_stop_when_killed(launcher: subprocess.Popen, out_dir: Path, group: bool, within_s: float):
+    """Once `launcher` (started with new_session) trains in `out_dir` on 2 workers, SIGKILL it
+    alone or with its whole process group (`group`, a shell's `kill -9 %1`); its workers must
+    stop by themselves within `within_s`. Whatever is left is killed, and the pipes closed."""
+    import signal
+    try:
+        deadline = time.monotonic() + 120
+        while not (Path(out_dir) / "metrics.jsonl").exists() or len(training_workers(out_dir)) < 2:
+            assert launcher.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.2)
+        if group:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        else:
+            launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + within_s
+        while training_workers(out_dir) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert training_workers(out_dir) == [], f"workers still training {within_s} s after their launcher was killed"
+    finally:
+        for pid in training_workers(out_dir):
+            os.kill(pid, signal.SIGKILL)
+        launcher.stdout.close()
+        launcher.stderr.close()
 
 
 def discovery(tmp_path, hosts: list[str]):

@@ -15,7 +15,7 @@ import psutil
 
 from helpers import (BIN, REPO, WORKERS, assert_same_losses, assert_same_params, discovery, hvdtrain,
                      load_params, read_metrics, run_cmd, start_cmd, step_losses, steps_logged, train_workers,
-                     training_workers)
+                     assert_workers_stop_when_killed)
 from hvdtrain.checkpointing import checkpoint
 from hvdtrain.launching.relay import LEAVING
 from hvdtrain.observe.metrics import FILE_NAME, read_records
@@ -268,19 +268,4 @@ def test_the_workers_of_an_elastic_launch_killed_with_its_process_group_stop_by_
     config = tiny_config({**ELASTIC, "train": {**ELASTIC["train"], "max_steps": 500, "slow_ranks": [0, 1],
                                                "slow_seconds": 0.2}})
     launcher = start_elastic_launch(tmp_path, config, out, new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not (out / "metrics.jsonl").exists() or len(training_workers(out)) < 2:
-            assert launcher.poll() is None and time.monotonic() < deadline, "the run did not start"
-            time.sleep(0.2)
-        os.killpg(launcher.pid, signal.SIGKILL)
-        launcher.wait()
-        deadline = time.monotonic() + 30
-        while training_workers(out) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert training_workers(out) == [], "workers still training 30 s after their launcher's group was killed"
-    finally:
-        for pid in training_workers(out):
-            os.kill(pid, signal.SIGKILL)
-        launcher.stdout.close()
-        launcher.stderr.close()
+    assert_workers_stop_when_killed(launcher, out, group=True, within_s=30)

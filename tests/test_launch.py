@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers import BIN, horovodrun, hvdtrain, inject, training_workers
+from helpers import BIN, assert_workers_stop_when_killed, horovodrun, hvdtrain, inject, training_workers
 from hvdtrain.launching.relay import Relay
 
 # ---------------------------------------------------------------- recorded output
@@ -320,31 +320,12 @@ def test_the_workers_of_a_killed_launcher_stop_by_themselves(tmp_path, tiny_conf
     process group (a shell's `kill -9 %1`, which also reaches what the launcher started in its
     group): horovodrun and the workers must not go on training into the run folder beside a
     relaunched job."""
-    import signal
     from helpers import start_cmd
     out = tmp_path / "run"
     config = tiny_config({"train": {"max_steps": 500, "slow_ranks": [0, 1], "slow_seconds": 0.2}})
     launcher = start_cmd([BIN / "hvdtrain", "launch", "-np", "2", f"--{controller}", config, f"out_dir={out}"],
                          new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not (out / "metrics.jsonl").exists() or len(training_workers(out)) < 2:
-            assert launcher.poll() is None and time.monotonic() < deadline, "the run did not start"
-            time.sleep(0.2)
-        if killed == "group":
-            os.killpg(launcher.pid, signal.SIGKILL)
-        else:
-            launcher.kill()
-        launcher.wait()
-        deadline = time.monotonic() + 20
-        while training_workers(out) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert training_workers(out) == [], "workers still training 20 s after their launcher was killed"
-    finally:
-        for pid in training_workers(out):
-            os.kill(pid, signal.SIGKILL)
-        launcher.stdout.close()
-        launcher.stderr.close()
+    assert_workers_stop_when_killed(launcher, out, group=killed == "group", within_s=20)
 
 
 @pytest.mark.workers
