@@ -70,6 +70,45 @@ def test_a_lost_worker_leaves_one_that_finishes_like_a_single_worker(tmp_path, o
     assert checkpoint.newest_intact_checkpoint(out).name == f"step_{STEPS:08d}"  # written by the new rank 0
 
 
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory):
+    """The undisturbed 2-worker run of a step of 4 micro batches: 2 on each worker."""
+    from helpers import write_config
+    folder = tmp_path_factory.mktemp("two")
+    config = write_config(folder / "config.yaml", {**ELASTIC, "train": {"global_batch_size": 16, "max_steps": STEPS}})
+    train_workers(2, config, f"out_dir={folder / 'run'}")
+    return config, folder / "run"
+
+
+def test_a_job_of_two_that_lost_one_is_bitwise_the_undisturbed_two_worker_run(tmp_path, two_workers):
+    """The worker left runs both workers' micro batches, each pair into a gradient of its own,
+    and adds the two as their allreduce did: (g0 + g1) + (g2 + g3), not ((g0 + g1) + g2) + g3."""
+    config, reference = two_workers
+    out = tmp_path / "run"
+    elastic_run(2, tmp_path, config, out, {"HVDTRAIN_TEST_KILL": "127.0.0.1:5"})
+    assert [r["world_size"] for r in read_metrics(out)[0]] == [2] * 4 + [1] * 4
+    assert step_losses(out) == step_losses(reference)
+    assert_same_params(load_params(reference, 0), load_params(out, 0))  # bitwise
+
+
+@pytest.mark.parametrize("world, largest, global_batch, micro, stands_in", [
+    (1, 2, 16, 4, True),    # 2 x 2 micro batches of 4, then 4 on one worker
+    (1, 2, 12, 8, True),    # one micro batch of 6 on each of two, two of 6 on one
+    (1, 2, 9, 4, False),    # odd: the two took shares of 5 and 4
+    (1, 2, 24, 8, False),   # 2 micro batches on each of two (8 + 4), 3 on one (8 + 8 + 8)
+    (2, 2, 16, 4, False),   # not down to one
+    (1, 3, 16, 4, False),   # the job had three: no one order to keep
+])
+def test_one_worker_stands_in_for_two_only_when_its_micro_batches_are_theirs(tmp_path, world, largest,
+                                                                            global_batch, micro, stands_in):
+    from hvdtrain.config import load_config
+    from hvdtrain.parallel.elastic import stands_in_for_two
+    from helpers import write_config
+    cfg = load_config(str(write_config(tmp_path / "c.yaml", {"train": {"global_batch_size": global_batch,
+                                                                        "micro_batch_size": micro}})))
+    assert stands_in_for_two(cfg, world, largest) is stands_in
+
+
 def test_a_host_added_to_a_gpt_tiny_run_joins(tmp_path):
     """recipes/gpt-tiny.yaml, 1 worker and then 2: with Horovod's response cache on, the joining
     worker aborted in its first fused allreduce (Gloo: "op.preamble.length <= op.nbytes") at

@@ -9,7 +9,9 @@ accumulation for the fixed global batch, the sampler at the committed stream pos
 token normaliser, the run log on whichever process is rank 0 now) and the step loop of
 hvdtrain.training.train continues. The global batch and the data order do not change when the world
 does, so the losses equal an undisturbed run (no sample is repeated or skipped: the redone steps
-after a rollback read the same samples, and their records replace the first ones: hvdtrain.observe.run_log).
+after a rollback read the same samples, and their records replace the first ones: hvdtrain.observe.run_log):
+within fp32 rounding, as another world size sums the gradients in another order, and bitwise
+for a job of two workers down to one, which sums them as the two did (stands_in_for_two).
 
 What a commit holds (ElasticState): the model, the optimizer, the grad scaler, the step and the
 stream position, in host memory on every worker. Its sync broadcasts rank 0's, like
@@ -47,6 +49,9 @@ class ElasticState(State):
         # Whether the job took its resume decision (on its first entry), and the checkpoint it
         # resumed from: rank 0's, synced to workers that join later.
         self.resume_decided, self.resumed_from = False, None
+        # The most workers the job has had: a job of 2 down to 1 sums its gradients as the 2 did
+        # (hvdtrain.training.step_engine.StandInStep), so it goes on as if undisturbed, bitwise.
+        self.largest_world = training.world.size
         self.save()
 
     def save(self):
@@ -75,8 +80,8 @@ class ElasticState(State):
         has_optimizer_state = hvd.broadcast_object(len(t.optimizer.state) > 0, root_rank=0, name="elastic.has_state")
         distributed.broadcast_state(t.model, t.optimizer, resumed=has_optimizer_state)
         progress = hvd.broadcast_object((t.step, t.position, t.scaler.state_dict(), self.resume_decided,
-                                         self.resumed_from), root_rank=0, name="elastic.progress")
-        t.step, t.position, scaler, self.resume_decided, self.resumed_from = progress
+                                         self.resumed_from, self.largest_world), root_rank=0, name="elastic.progress")
+        t.step, t.position, scaler, self.resume_decided, self.resumed_from, self.largest_world = progress
         if scaler and t.scaler.is_enabled():
             t.scaler.load_state_dict(scaler)
         self.save()
@@ -104,6 +109,18 @@ def check_elastic_config(cfg: Config):
     if cfg.parallel.shard_optimizer:  # the shards would have to re-form after every reset
         raise UserError("config key 'parallel.shard_optimizer': elastic jobs do not support a sharded optimizer "
                         "(got true); use false, or a fixed number of workers")
+
+
+def stands_in_for_two(cfg: Config, world_size: int, largest_world: int) -> bool:
+    """Whether the one worker left of a job of two can stand in for both (StandInStep): its
+    micro batches are exactly theirs, the first worker's then the second's, when the global
+    batch is even and it accumulates twice as many as each of them did (hvdtrain.data.sampler
+    cuts every share evenly)."""
+    if world_size != 1 or largest_world != 2:
+        return False
+    one, _ = resolve_batch(cfg, 1)
+    two, _ = resolve_batch(cfg, 2)
+    return cfg.train.global_batch_size % 2 == 0 and one == 2 * two
 
 
 def train_elastic(cfg: Config) -> torch.nn.Module:
@@ -142,7 +159,9 @@ def train_elastic(cfg: Config) -> torch.nn.Module:
             events.append({"step": state.step, "event": "reset", "reason": why, "old_world_size": before,
                            "world_size": now.size, "steps_rolled_back": rolled_back})
         elastic_state.last_reset = None
-        engine = build_engine(cfg, device, model, optimizer, scaler, grad_accum, now.size)
+        elastic_state.largest_world = max(elastic_state.largest_world, now.size)
+        engine = build_engine(cfg, device, model, optimizer, scaler, grad_accum, now.size,
+                              stand_in=stands_in_for_two(cfg, now.size, elastic_state.largest_world))
         setup = Setup(now, data, model, optimizer, scaler, state, grad_accum, global_batch, peak_lr, now.rank,
                       now.size, engine, resumed_from=elastic_state.resumed_from if state.step else None)
 

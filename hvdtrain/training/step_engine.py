@@ -2,6 +2,8 @@
 
     PlainStep       the whole model on every worker; hvd.DistributedOptimizer allreduces the
                     gradients over all workers, started by its hooks during the last backward
+                    (StandInStep: the one worker left of an elastic job of two runs the micro
+                    batches of both and sums their gradients as the two did)
     PipelinedStep   this worker's pipeline stage (hvdtrain.parallel.pipeline): torch's schedule runs the
                     micro batches, Horovod reduces gradients among the copies of the stage only
                     (during the schedule's backward, or after it), the tied embedding is summed
@@ -130,6 +132,36 @@ class PlainStep:
 
     def close(self):
         """At the run's end, once every rank has finished its last step."""
+
+
+class StandInStep(PlainStep):
+    """An elastic job of at most 2 workers, down to 1 (hvdtrain.parallel.elastic): the worker left
+    stands in for both. It runs the first worker's micro batches into one gradient and the
+    second's into another, and adds the two, as their allreduce did (a + b, the same bits either
+    way round). The step's gradient and loss sum are then bitwise those of the 2-worker job:
+    summed in one gradient, ((g0 + g1) + g2) + g3 instead of (g0 + g1) + (g2 + g3), they differ
+    in the last bits, and training amplifies that. (With more workers Horovod's ring allreduce
+    sums in an order that depends on how it fused the tensors, so there is no one order to
+    keep.) It costs one more gradient in memory while the job is down to one worker."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        # Horovod's hooks would start the allreduce at the step's last backward, before the two
+        # gradients are added: give them one pass more than the step has, and synchronize()
+        # (reduce_gradients) starts them all. On one worker there is nothing to overlap.
+        self.optimizer.set_backward_passes_per_step(self.optimizer.backward_passes_per_step + 1)
+
+    def forward_backward(self, micro_batches, timer):
+        half = len(micro_batches) // 2
+        first_loss = super().forward_backward(micro_batches[:half], timer)
+        first = {p: p.grad for p in self.model.parameters() if p.grad is not None}
+        for p in first:
+            p.grad = None
+        second_loss = super().forward_backward(micro_batches[half:], timer)
+        for p, grad in first.items():
+            p.grad = grad if p.grad is None else p.grad.add_(grad)
+        # The two workers' loss sums were added in float64 (periodic.StepLog's allreduce)
+        return first_loss.double() + second_loss.double()
 
 
 class PipelinedStep(PlainStep):
@@ -267,14 +299,15 @@ class ShardedStep(PlainStep):
 
 
 def build_engine(cfg: Config, device, model, optimizer, scaler, grad_accum: int, shards: int, layout=None,
-                 groups=None, reduce_after: bool = False) -> PlainStep:
+                 groups=None, reduce_after: bool = False, stand_in: bool = False) -> PlainStep:
     """The step engine of this run: pipelined when `layout` is given (then `groups` too), and
-    sharded around it with parallel.shard_optimizer (`optimizer` then a ShardedOptimizer)."""
+    sharded around it with parallel.shard_optimizer (`optimizer` then a ShardedOptimizer).
+    `stand_in`: one worker standing in for the two of an elastic job (StandInStep)."""
     t = cfg.train
     normalizer = distributed.TokenNormalizer(cfg.horovod.op, shards, t.micro_batch_size * grad_accum * cfg.data.seq_len)
     autocast = autocast_for(device, t.precision)
     if layout is None:
-        engine = PlainStep(model, optimizer, scaler, normalizer, autocast, device)
+        engine = (StandInStep if stand_in else PlainStep)(model, optimizer, scaler, normalizer, autocast, device)
     else:
         pipe = pipeline.build_schedule(model, layout, groups, cfg.parallel.schedule,
                                        cfg.parallel.microbatches or grad_accum, 1.0, device)
