@@ -95,7 +95,7 @@ def test_a_job_of_two_that_lost_one_is_bitwise_the_undisturbed_two_worker_run(tm
     (1, 2, 16, 4, True),    # 2 x 2 micro batches of 4, then 4 on one worker
     (1, 2, 12, 8, True),    # one micro batch of 6 on each of two, two of 6 on one
     (1, 2, 9, 4, False),    # odd: the two took shares of 5 and 4
-    (1, 2, 24, 8, False),   # 2 micro batches on each of two (8 + 4), 3 on one (8 + 8 + 8)
+    (1, 2, 24, 8, False),   # 2 micro batches of 6 on each of two, 3 of 8 on one
     (2, 2, 16, 4, False),   # not down to one
     (1, 3, 16, 4, False),   # the job had three: no one order to keep
 ])
