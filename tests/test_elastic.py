@@ -82,7 +82,9 @@ def two_workers(tmp_path_factory):
 
 def test_a_job_of_two_that_lost_one_is_bitwise_the_undisturbed_two_worker_run(tmp_path, two_workers):
     """The worker left runs both workers' micro batches, each pair into a gradient of its own,
-    and adds the two as their allreduce did: (g0 + g1) + (g2 + g3), not ((g0 + g1) + g2) + g3."""
+    and adds the two as their allreduce did: (g0 + g1) + (g2 + g3), not ((g0 + g1) + g2) + g3.
+    Bitwise, as it is the same computation: every micro batch's kernels at the same shapes on one
+    thread (helpers.OFFLINE sets OMP_NUM_THREADS=1 for both runs), and the same additions."""
     config, reference = two_workers
     out = tmp_path / "run"
     elastic_run(2, tmp_path, config, out, {"HVDTRAIN_TEST_KILL": "127.0.0.1:5"})

@@ -144,12 +144,12 @@ class StandInStep(PlainStep):
     sums in an order that depends on how it fused the tensors, so there is no one order to
     keep.) It costs one more gradient in memory while the job is down to one worker."""
 
-    def __init__(self, *args):
+    def __init__(self, *args, grad_accum: int):
         super().__init__(*args)
         # Horovod's hooks would start the allreduce at the step's last backward, before the two
         # gradients are added: give them one pass more than the step has, and synchronize()
         # (reduce_gradients) starts them all. On one worker there is nothing to overlap.
-        self.optimizer.set_backward_passes_per_step(self.optimizer.backward_passes_per_step + 1)
+        self.optimizer.set_backward_passes_per_step(grad_accum + 1)
 
     def forward_backward(self, micro_batches, timer):
         half = len(micro_batches) // 2
@@ -307,7 +307,8 @@ def build_engine(cfg: Config, device, model, optimizer, scaler, grad_accum: int,
     normalizer = distributed.TokenNormalizer(cfg.horovod.op, shards, t.micro_batch_size * grad_accum * cfg.data.seq_len)
     autocast = autocast_for(device, t.precision)
     if layout is None:
-        engine = (StandInStep if stand_in else PlainStep)(model, optimizer, scaler, normalizer, autocast, device)
+        args = (model, optimizer, scaler, normalizer, autocast, device)
+        engine = StandInStep(*args, grad_accum=grad_accum) if stand_in else PlainStep(*args)
     else:
         pipe = pipeline.build_schedule(model, layout, groups, cfg.parallel.schedule,
                                        cfg.parallel.microbatches or grad_accum, 1.0, device)
