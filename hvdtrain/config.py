@@ -29,7 +29,7 @@ import yaml
 
 from hvdtrain.errors import UserError
 from hvdtrain.models import NAMES as FAMILY_NAMES
-from hvdtrain.models import knob_owners
+from hvdtrain.models import family, knob_owners
 
 KNOBS = knob_owners()  # model.* keys that only some families have -> those families
 
@@ -54,6 +54,12 @@ class ModelConfig:
     # from (safetensors only); its own shape and dropout then replace the keys below. null:
     # build a new model from them.
     pretrained: Optional[str] = None
+    # With pretrained: when the data has more tokens (its tokenizer, or data.vocab_size) than the
+    # folder's model has embedding rows, add rows up to the next multiple of 64 to the token
+    # embedding and the output matrix (and its bias); each new row starts as the mean of the
+    # folder's rows, as transformers' resize_token_embeddings starts them. false: such a run is
+    # refused. A model with enough rows is never resized.
+    resize_embeddings: bool = False
     n_layer: int = 2  # transformer blocks
     n_head: int = 2  # attention heads per block; must divide d_model
     d_model: int = 64  # hidden size: the width of the embeddings and of every block
@@ -99,9 +105,17 @@ class ModelConfig:
                  "model.local_attention", "an even number of tokens >= 2 or null", self.local_attention)
         _require(self.global_attn_every is None or self.global_attn_every >= 1, "model.global_attn_every",
                  "an integer >= 1 or null", self.global_attn_every)
+        _require(not self.resize_embeddings or self.pretrained, "model.resize_embeddings",
+                 "false without model.pretrained (a new model is built with rows for the whole vocabulary)",
+                 self.resize_embeddings)
         _require(self.n_layer >= 1, "model.n_layer", "an integer >= 1", self.n_layer)
+        _require(self.d_model >= 1, "model.d_model", "an integer >= 1", self.d_model)
         _require(self.n_head >= 1 and self.d_model % self.n_head == 0, "model.n_head",
                  f"a divisor of model.d_model ({self.d_model})", self.n_head)
+        _require(not family(self.arch).rotary or (self.d_model // self.n_head) % 2 == 0, "model.n_head",
+                 f"a divisor of model.d_model ({self.d_model}) that leaves an even head dimension model.d_model / "
+                 f"model.n_head (model.arch {self.arch} rotates pairs of its dimensions)", self.n_head)
+        _require(self.d_ff is None or self.d_ff >= 1, "model.d_ff", "an integer >= 1 or null", self.d_ff)
         _require(0 <= self.dropout < 1, "model.dropout", "a number in [0, 1)", self.dropout)
 
 
@@ -194,7 +208,7 @@ class TrainConfig:
     # max_steps (hvdtrain.optim.lr_schedule).
     schedule: Literal["constant", "linear", "cosine"] = "cosine"
     # Seeds the model's initialisation (the same on every rank), the data order and the BERT
-    # masks, and each rank's dropout stream. A resume must use the checkpoint's.
+    # masks, and each rank's dropout stream, in [0, 2^32 - 1] (NumPy's seeds). A resume must use the checkpoint's.
     seed: int = 1234
     # "fp32" (matmuls in TF32 on GPUs), "bf16" autocast, or "fp16" autocast with a dynamic grad
     # scaler. fp32 by default: the CPU tests compare runs to rounding; the GPU recipes set bf16.
@@ -230,6 +244,9 @@ class TrainConfig:
         _require(self.warmup_steps >= 0, "train.warmup_steps", "an integer >= 0", self.warmup_steps)
         _require(self.grad_clip >= 0, "train.grad_clip", "a number >= 0", self.grad_clip)
         _require(self.max_bad_steps >= 1, "train.max_bad_steps", "an integer >= 1", self.max_bad_steps)
+        _require(0 <= self.seed < 2 ** 32, "train.seed", "an integer in [0, 2^32 - 1]", self.seed)
+        _require(all(r >= 0 for r in self.slow_ranks), "train.slow_ranks", "ranks >= 0", self.slow_ranks)
+        _require(self.slow_seconds >= 0, "train.slow_seconds", "a number >= 0", self.slow_seconds)
         _require(self.weight_decay >= 0, "train.weight_decay", "a number >= 0", self.weight_decay)
         _require(self.optimizer != "lamb" or self.weight_decay > 0, "train.weight_decay",
                  "a number > 0 with train.optimizer 'lamb' (its trust ratio applies only to parameters with "
@@ -270,6 +287,10 @@ class HorovodConfig:
                  self.stall_timeout_s)
         _require(self.gradient_predivide_factor > 0, "horovod.gradient_predivide_factor", "a number > 0",
                  self.gradient_predivide_factor)
+        _require(self.fusion_threshold_mb is None or self.fusion_threshold_mb >= 0, "horovod.fusion_threshold_mb",
+                 "a number of MiB >= 0 (0: no fusion) or null", self.fusion_threshold_mb)
+        _require(self.cycle_time_ms is None or self.cycle_time_ms > 0, "horovod.cycle_time_ms",
+                 "a number of milliseconds > 0 or null", self.cycle_time_ms)
         if self.op == "adasum":
             # Horovod's Adasum optimizer applies each update inside the backward hooks, before the
             # token normalisation, fp16 unscaling and gradient clipping that every step needs.
@@ -305,13 +326,22 @@ class ParallelConfig:
     # (Horovod's hooks, overlapped) or "after" it (one grouped allreduce). On NCCL two
     # communicators in flight at once can hang, so the default is "after" on GPUs, "during" on CPUs.
     reduce_gradients: Optional[Literal["during", "after"]] = None
-    # ZeRO stage 1 (Megatron-Core's distributed optimizer) over Horovod: each data-parallel copy
-    # (of each pipeline stage) keeps and steps 1/copies of the optimizer state, and of the fp32
-    # master weights where the weights are 16-bit (bf16: the model computes in bf16 weights);
-    # gradients are reduce-scattered and the updated weights allgathered, as many bytes on the
-    # wire as one allreduce (hvdtrain.parallel.sharded_optimizer, docs/memory.md). The same maths as false;
-    # off by default as it needs 2 collectives per step where one allreduce fits the memory.
-    # Needs horovod.compression "none"; elastic jobs refuse it.
+    # Sharding over the data-parallel copies (of each pipeline stage), over Horovod's
+    # reduce-scatter and allgather (hvdtrain.parallel.sharded_optimizer, docs/memory.md); the same
+    # maths as "none". Bytes per parameter, d copies (fp32 / bf16 weights):
+    #   none       today's allreduce: 16 / 14 (+ autocast's copies)
+    #   optimizer  ZeRO-1, Megatron-Core's distributed optimizer: each copy keeps and steps 1/d of
+    #              the optimizer state (and of the fp32 masters where the weights are bf16), the
+    #              step's gradients reduce-scattered at its last micro batch: 8 + 8/d / 6 + 12/d
+    #   gradients  ZeRO-2: every micro batch's gradients reduce-scattered into fp32 slices that
+    #              accumulate over the step: 4 + 12/d / 2 + 16/d
+    #   full       ZeRO-3 / FSDP: the weights too live only as this copy's fp32 master slices; each
+    #              unit (block, embeddings, head) allgathered just before its forward and its
+    #              backward, the next one prefetched: 16/d + the units in flight
+    # Needs horovod.compression "none" and op average or sum; elastic jobs refuse it. Off by
+    # default: 2 collectives per step where one allreduce fits the memory (3 with "full").
+    shard: Literal["none", "optimizer", "gradients", "full"] = "none"
+    # Deprecated spelling of shard: "optimizer" (true); false leaves parallel.shard as it is.
     shard_optimizer: bool = False
 
     def check(self):
@@ -319,6 +349,11 @@ class ParallelConfig:
         _require(self.stages_per_rank >= 1, "parallel.stages_per_rank", "an integer >= 1", self.stages_per_rank)
         _require(self.microbatches is None or self.microbatches >= 1, "parallel.microbatches",
                  "null or an integer >= 1", self.microbatches)
+        _require(not self.shard_optimizer or self.shard in ("none", "optimizer"), "parallel.shard_optimizer",
+                 f"false with parallel.shard={self.shard!r} (shard_optimizer: true is parallel.shard: optimizer)",
+                 self.shard_optimizer)
+        if self.shard_optimizer:  # the old spelling: everything reads parallel.shard
+            self.shard = "optimizer"
 
 
 @dataclass
@@ -347,8 +382,29 @@ class CheckpointConfig:
 
 
 @dataclass
+class WandbConfig:
+    """The run in Weights & Biases (docs/research.md): from rank 0, every metric of each log point;
+    the resolved config as the run's config. WANDB_MODE=offline keeps it in out_dir/wandb."""
+    enabled: bool = False  # true: no wandb installed, or its run not started, is an error (exit 2)
+    project: str = "hvdtrain"
+    entity: Optional[str] = None  # the team or user; default: wandb's own (WANDB_ENTITY, the login's)
+    name: Optional[str] = None  # the run's display name; default: out_dir's folder name
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class MlflowConfig:
+    """The run in MLflow (docs/research.md): params from the config, every metric of each log point,
+    the hf/ export as an artifact at the end."""
+    enabled: bool = False  # true: no mlflow installed, or its store not reachable, is an error (exit 2)
+    tracking_uri: Optional[str] = None  # default: a local store, out_dir/mlruns
+    experiment: str = "hvdtrain"
+    log_model: bool = True  # the exported hf/ folder as the run's artifact "hf" at the end
+
+
+@dataclass
 class LogConfig:
-    """What is recorded of training, and how often (metrics.jsonl, TensorBoard, the console)."""
+    """What is recorded of training, and how often (metrics.jsonl, TensorBoard, trackers, the console)."""
     # Steps between records of metrics.jsonl and TensorBoard; a record holds every step's loss
     # since the one before, and the step-time breakdown averaged over them.
     every: int = 10
@@ -357,20 +413,29 @@ class LogConfig:
     step_breakdown: bool = True  # data / compute / allreduce / optimizer timings per rank
     imbalance_threshold: float = 0.2  # warn when (slowest - fastest) / fastest compute passes this
     peak_tflops: Optional[float] = None  # MFU denominator; default from the GPU name
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 
     def check(self):
         _require(self.every >= 1, "log.every", "an integer >= 1", self.every)
+        _require(self.imbalance_threshold >= 0, "log.imbalance_threshold", "a number >= 0", self.imbalance_threshold)
+        _require(self.peak_tflops is None or self.peak_tflops > 0, "log.peak_tflops", "a number > 0 or null",
+                 self.peak_tflops)
 
 
 @dataclass
 class EvalConfig:
     """Evaluation on the validation blocks (also at step 0, the baseline)."""
     every: int = 0  # steps between evaluations; 0: only at the end
-    batches: int = 8  # micro batches per evaluation, split across the ranks
+    # Micro batches per evaluation, split across the ranks: null (the default) scores the whole
+    # validation split; a number caps it at its first `batches` x train.micro_batch_size blocks
+    # (for a large split). The same blocks at every evaluation, whatever the world size.
+    batches: Optional[int] = None
 
     def check(self):
         _require(self.every >= 0, "eval.every", "an integer >= 0", self.every)
-        _require(self.batches >= 1, "eval.batches", "an integer >= 1", self.batches)
+        _require(self.batches is None or self.batches >= 1, "eval.batches", "null (all) or an integer >= 1",
+                 self.batches)
 
 
 @dataclass
@@ -390,9 +455,10 @@ class ProfileConfig:
     timeline: bool = True  # Horovod timeline for the same run
 
     def check(self):
-        # wait and warmup < 0 are reported under profile.active too, as they always were.
-        _require(self.wait >= 0 and self.warmup >= 0 and self.active >= 1, "profile.active", "an integer >= 1",
-                 self.active)
+        _require(all(r >= 0 for r in self.ranks), "profile.ranks", "ranks >= 0", self.ranks)
+        _require(self.wait >= 0, "profile.wait", "an integer >= 0", self.wait)
+        _require(self.warmup >= 0, "profile.warmup", "an integer >= 0", self.warmup)
+        _require(self.active >= 1, "profile.active", "an integer >= 1", self.active)
 
 
 @dataclass
@@ -566,10 +632,13 @@ def validate(cfg: Config):
              f"null or >= data.seq_len ({d.seq_len})", m.max_position)
     _require(par.pipeline_stages * par.stages_per_rank <= m.n_layer or m.pretrained, "parallel.pipeline_stages",
              f"at most model.n_layer={m.n_layer} stages in all (x parallel.stages_per_rank)", par.pipeline_stages)
-    # Cross-section: the sharded optimizer reduce-scatters the gradients itself, uncompressed.
-    _require(not par.shard_optimizer or cfg.horovod.compression == "none", "horovod.compression",
-             "'none' with parallel.shard_optimizer (the gradients are reduce-scattered in their own dtype)",
+    # Cross-section: sharding reduce-scatters the gradients itself, uncompressed.
+    _require(par.shard == "none" or cfg.horovod.compression == "none", "horovod.compression",
+             f"'none' with parallel.shard={par.shard!r} (the gradients are reduce-scattered in their own dtype)",
              cfg.horovod.compression)
+    # Not yet tried: torch.compile over blocks whose weights are gathered and freed by module hooks.
+    _require(par.shard != "full" or not m.compile, "model.compile",
+             "false with parallel.shard='full' (compiled blocks with gathered weights are not supported yet)", m.compile)
 
 
 def resolve_batch(cfg: Config, world_size: int) -> tuple[int, int]:

@@ -68,3 +68,34 @@ def test_stop_at_step_is_a_pause(stop_at_step, start_step, expected):
     cfg = load_config(None, ["train.max_steps=10"])
     cfg.train.stop_at_step = stop_at_step
     assert last_step_of_run(cfg.train, start_step) == expected
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["train.seed=-1"], "'train.seed': expected an integer in [0, 2^32 - 1], got -1"),
+    (["train.seed=4294967296"], "'train.seed'"),
+    (["train.slow_ranks=[0, -1]"], "'train.slow_ranks'"),
+    (["train.slow_seconds=-1"], "'train.slow_seconds'"),
+    (["model.d_model=0"], "'model.d_model': expected an integer >= 1"),
+    (["model.d_ff=0"], "'model.d_ff'"),
+    (["model.arch=modernbert", "model.d_model=36", "model.n_head=4"], "'model.n_head'"),
+    (["model.arch=llama", "model.d_model=6", "model.n_head=2"], "even head dimension"),
+    (["horovod.fusion_threshold_mb=-1"], "'horovod.fusion_threshold_mb'"),
+    (["horovod.cycle_time_ms=0"], "'horovod.cycle_time_ms'"),
+    (["log.imbalance_threshold=-0.1"], "'log.imbalance_threshold'"),
+    (["log.peak_tflops=0"], "'log.peak_tflops'"),
+    (["profile.ranks=[-1]"], "'profile.ranks'"),
+    (["profile.wait=-1"], "'profile.wait'"),
+    (["profile.warmup=-1"], "'profile.warmup'"),
+], ids=lambda v: v[0] if isinstance(v, list) else "")
+def test_every_number_is_checked_for_the_range_the_code_needs(overrides, words):
+    """One line naming the key, before anything runs (the other keys' bounds: test_errors.py)."""
+    with pytest.raises(UserError) as error:
+        load_config(None, overrides)
+    assert words in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_ends_of_the_ranges_are_accepted():
+    cfg = load_config(None, ["train.seed=0", "model.arch=llama", "model.d_model=8", "model.n_head=4",
+                             "horovod.fusion_threshold_mb=0", "profile.wait=0", "profile.warmup=0"])
+    assert (cfg.train.seed, cfg.model.d_model // cfg.model.n_head) == (0, 2)
+    assert load_config(None, ["train.seed=4294967295", "model.d_model=36", "model.n_head=4"]).train.seed == 2 ** 32 - 1

@@ -23,6 +23,9 @@ from hvdtrain.observe.metrics import FILE_NAME, read_records
 pytestmark = pytest.mark.workers
 STEPS = 8
 ELASTIC = {"train": {"global_batch_size": 8, "max_steps": STEPS}, "elastic": {"commit_every": 2}}
+# What a reset's record says of the gradients from then on (hvdtrain.parallel.elastic.gradient_sums)
+BITWISE = "summed as the 2 workers did (bitwise the undisturbed run)"
+WITHIN_ROUNDING = "summed in another order: equal to the undisturbed run within rounding"
 
 
 def elastic_run(np: int, tmp_path, config, out, env: dict, *overrides, min_np=1, max_np=2, hosts=None):
@@ -56,7 +59,7 @@ def one_worker(tmp_path_factory):
     return config, folder / "run"
 
 
-@pytest.mark.parametrize("lost", ["127.0.0.1", "localhost"])  # one of the two is rank 0
+@pytest.mark.parametrize("lost", ["127.0.0.1", pytest.param("localhost", marks=pytest.mark.deep)])  # one is rank 0
 def test_a_lost_worker_leaves_one_that_finishes_like_a_single_worker(tmp_path, one_worker, lost):
     config, reference = one_worker
     out = tmp_path / "run"
@@ -80,6 +83,7 @@ def two_workers(tmp_path_factory):
     return config, folder / "run"
 
 
+@pytest.mark.deep
 def test_a_job_of_two_that_lost_one_is_bitwise_the_undisturbed_two_worker_run(tmp_path, two_workers):
     """The worker left runs both workers' micro batches, each pair into a gradient of its own,
     and adds the two as their allreduce did: (g0 + g1) + (g2 + g3), not ((g0 + g1) + g2) + g3.
@@ -91,26 +95,52 @@ def test_a_job_of_two_that_lost_one_is_bitwise_the_undisturbed_two_worker_run(tm
     assert [r["world_size"] for r in read_metrics(out)[0]] == [2] * 4 + [1] * 4
     assert step_losses(out) == step_losses(reference)
     assert_same_params(load_params(reference, 0), load_params(out, 0))  # bitwise
+    [reset] = events(out)
+    assert reset["gradients"] == BITWISE
 
 
-@pytest.mark.parametrize("world, largest, global_batch, micro, stands_in", [
-    (1, 2, 16, 4, True),    # 2 x 2 micro batches of 4, then 4 on one worker
-    (1, 2, 12, 8, True),    # one micro batch of 6 on each of two, two of 6 on one
-    (1, 2, 9, 4, False),    # odd: the two took shares of 5 and 4
-    (1, 2, 24, 8, False),   # 2 micro batches of 6 on each of two, 3 of 8 on one
-    (2, 2, 16, 4, False),   # not down to one
-    (1, 3, 16, 4, False),   # the job had three: no one order to keep
-])
-def test_one_worker_stands_in_for_two_only_when_its_micro_batches_are_theirs(tmp_path, world, largest,
-                                                                            global_batch, micro, stands_in):
+STAND_IN_CASES = [  # (world, largest world, global batch, micro batch, stands in, the reset's gradients)
+    (1, 2, 16, 4, True, BITWISE),  # 2 x 2 micro batches of 4, then 4 on one worker
+    (1, 2, 12, 8, True, BITWISE),  # one micro batch of 6 on each of two, two of 6 on one
+    # odd: the two took shares of 5 and 4
+    (1, 2, 9, 4, False, f"{WITHIN_ROUNDING} (the worker left cannot sum as the 2 did: the global batch 9 is odd)"),
+    # 2 micro batches of 6 on each of two, 3 of 8 on one
+    (1, 2, 24, 8, False, f"{WITHIN_ROUNDING} (the worker left cannot sum as the 2 did: one worker accumulates 3 "
+                         "micro batches where each of two accumulated 2 (train.global_batch_size=24, "
+                         "train.micro_batch_size=8))"),
+    (2, 2, 16, 4, False, f"{WITHIN_ROUNDING} (a world of 2 sums in another order)"),  # not down to one
+    (1, 3, 16, 4, False, f"{WITHIN_ROUNDING} (a world of 1 sums in another order)"),  # had 3: no one order to keep
+]
+
+
+@pytest.mark.parametrize("world, largest, global_batch, micro, stands_in, gradients", STAND_IN_CASES,
+                         ids=[f"{c[0]}-of-{c[1]}-{c[2]}-by-{c[3]}" for c in STAND_IN_CASES])
+def test_one_worker_stands_in_for_two_only_when_its_micro_batches_are_theirs(tmp_path, world, largest, global_batch,
+                                                                            micro, stands_in, gradients):
+    """The decision, and what a reset's record and log line say of it (the real runs: the
+    bitwise test above, 3 -> 2 workers below)."""
     from hvdtrain.config import load_config
-    from hvdtrain.parallel.elastic import stands_in_for_two
+    from hvdtrain.parallel.elastic import gradient_sums, stands_in_for_two
     from helpers import write_config
     cfg = load_config(str(write_config(tmp_path / "c.yaml", {"train": {"global_batch_size": global_batch,
                                                                         "micro_batch_size": micro}})))
     assert stands_in_for_two(cfg, world, largest) is stands_in
+    assert gradient_sums(cfg, world, largest) == gradients
 
 
+def test_an_elastic_job_on_this_machine_alone_runs_without_naming_an_interface(tmp_path, tiny_config):
+    """Horovod Elastic finds the network interface by testing between two hosts: a job on this
+    machine alone waited silently for a second until --elastic-timeout (600 s), unless given
+    --network-interface lo. `hvdtrain launch` gives it the loopback interface."""
+    out = tmp_path / "run"
+    proc = hvdtrain("launch", "--elastic", "-np", "1", "--min-np", "1", "--max-np", "1", "--host-discovery-script",
+                    discovery(tmp_path, ["localhost:1"]), tiny_config({"train": {"global_batch_size": 4}}),
+                    f"out_dir={out}", "train.max_steps=2", timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert steps_logged(out) == 2
+
+
+@pytest.mark.deep
 def test_a_host_added_to_a_gpt_tiny_run_joins(tmp_path):
     """recipes/gpt-tiny.yaml, 1 worker and then 2: with Horovod's response cache on, the joining
     worker aborted in its first fused allreduce (Gloo: "op.preamble.length <= op.nbytes") at
@@ -165,6 +195,7 @@ def test_a_host_added_before_the_runs_last_commit_leaves_its_checkpoint_and_paus
     assert sorted(step_losses(out)) == list(range(1, 7)) and not events(out)
 
 
+@pytest.mark.deep
 def test_a_host_added_before_a_checkpoints_commit_leaves_the_checkpoint(tmp_path, one_worker):
     """Commits only at the checkpoint of step 4: the host appears before it, so the commit after
     the checkpoint raises and the run goes on with 2 workers; the checkpoint is there."""
@@ -178,6 +209,7 @@ def test_a_host_added_before_a_checkpoints_commit_leaves_the_checkpoint(tmp_path
     assert_same_losses(step_losses(reference), step_losses(out), min_steps=STEPS)
 
 
+@pytest.mark.deep
 def test_an_elastic_job_resumes_from_its_checkpoint_like_a_plain_run(tmp_path, one_worker):
     config, reference = one_worker
     out = tmp_path / "run"
@@ -187,6 +219,7 @@ def test_an_elastic_job_resumes_from_its_checkpoint_like_a_plain_run(tmp_path, o
     assert_same_params(load_params(reference, 0), load_params(out, 0), atol=1e-5)
 
 
+@pytest.mark.deep
 def test_a_lost_worker_whose_world_does_not_divide_the_global_batch_goes_on(tmp_path, tiny_config):
     """3 -> 2 workers at global batch 9, micro batch 3: shares of 5 and 4 samples in 2 micro
     batches each (3 + 3 + 3 before); the losses equal a one-worker run (3 micro batches of 3)."""
@@ -201,11 +234,14 @@ def test_a_lost_worker_whose_world_does_not_divide_the_global_batch_goes_on(tmp_
     assert_same_params(load_params(reference, 0), load_params(out, 0), atol=1e-4)
     [reset] = events(out)
     assert (reset["old_world_size"], reset["world_size"]) == (3, 2)
+    assert reset["gradients"] == f"{WITHIN_ROUNDING} (a world of 2 sums in another order)"
+    assert f"gradients {WITHIN_ROUNDING} (a world of 2 sums in another order))" in proc.stdout + proc.stderr  # the log
     assert [(r["world_size"], r["grad_accum"]) for r in read_metrics(out)[0]] == [(3, 1)] * 4 + [(2, 2)] * 4
     assert ("2 data-parallel workers x 5 or 4 samples in 2 micro batches of at most 3 (uneven: 9 is not a multiple "
             "of micro batch 3 x 2 workers) = global batch 9") in proc.stdout
 
 
+@pytest.mark.deep
 def test_below_min_np_too_long_stops_clearly_and_the_checkpoint_resumes(tmp_path, tiny_config):
     """`hvdtrain launch --elastic` with --min-np 2: one worker is SIGKILLed from outside; after
     --elastic-timeout the job stops with a clear line, and the same command resumes."""
@@ -251,6 +287,7 @@ def signal_worker_on_host(out_dir, host: str, signum: int) -> int:
 STALL_TIMEOUT = 4  # seconds: a tiny step takes milliseconds
 
 
+@pytest.mark.deep
 def test_a_stopped_worker_is_named_and_removed_and_the_other_finishes(tmp_path, tiny_config):
     """SIGSTOP to the worker on 127.0.0.1 mid-run: once it has been stopped for the stall
     timeout, its stop sentinel names it (rank and host) in one line and ends it; Horovod's
@@ -273,7 +310,7 @@ def test_a_stopped_worker_is_named_and_removed_and_the_other_finishes(tmp_path, 
         if stopped is not None and psutil.pid_exists(stopped):
             os.kill(stopped, signal.SIGKILL)
     assert launch.returncode == 0, stderr[-3000:]
-    [line] = [line for line in stderr.splitlines() if LEAVING in line]
+    [line] = [line for line in stdout.splitlines() + stderr.splitlines() if LEAVING in line]
     assert re.search(rf"{LEAVING}rank [01] on host 127\.0\.0\.1 is stopped: it did not run for [4-9] s "
                      rf"\(horovod\.stall_timeout_s={STALL_TIMEOUT}\); ended, the others go on without it$", line), line
     [reset] = events(out)
@@ -282,6 +319,7 @@ def test_a_stopped_worker_is_named_and_removed_and_the_other_finishes(tmp_path, 
     assert checkpoint.newest_intact_checkpoint(out).name == "step_00000030"
 
 
+@pytest.mark.deep
 def test_a_stuck_worker_says_where_and_leaves_and_the_other_finishes_like_a_single_worker(tmp_path, one_worker):
     """train.slow_ranks makes rank 1 sleep in its first step (3x the stall timeout): its watchdog
     says where it is stuck, naming its rank and host, and it exits; rank 0, which waited for it

@@ -22,6 +22,9 @@ CASES = [
     (["train.max_steps=0"], ["'train.max_steps'", ">= 1"]),
     (["train.micro_batch_size=512"], ["global batch (512", "larger than the training set (256 blocks"]),
     (["train.global_batch_size=0"], ["'train.global_batch_size'", "an integer >= 1"]),
+    (["train.seed=-1"], ["'train.seed'", "an integer in [0, 2^32 - 1]", "-1"]),
+    (["model.arch=llama", "model.d_model=36", "model.n_head=4"],
+     ["'model.n_head'", "model.d_model (36)", "even head dimension model.d_model / model.n_head"]),
     (["data.source=/no/such/corpus.txt"], ["/no/such/corpus.txt"]),
     (["trainlr"], ["override 'trainlr'", "key.sub=value"]),
 ]
@@ -101,8 +104,9 @@ def test_a_fresh_run_never_mixes_with_an_earlier_run_in_its_folder(tmp_path, tin
     assert before == {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
 
 
-@pytest.mark.parametrize("key,value", [("model.max_position", 32), ("data.validation_fraction", 0.5),
-                                       ("data.synthetic_samples", 128)])
+@pytest.mark.parametrize("key,value", [("model.max_position", 32),
+                                       pytest.param("data.validation_fraction", 0.5, marks=pytest.mark.deep),
+                                       pytest.param("data.synthetic_samples", 128, marks=pytest.mark.deep)])
 def test_resume_refuses_a_change_of_shape_or_data(tmp_path, tiny_config, key, value):
     config = tiny_config({"train": {"max_steps": 2}})
     out = tmp_path / "run"

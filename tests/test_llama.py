@@ -17,7 +17,8 @@ pytestmark = pytest.mark.workers
 LLAMA = {"model": {"arch": "llama", "n_kv_head": 1}}
 
 
-@pytest.mark.parametrize("model", [LLAMA["model"], {"arch": "modernbert", "local_attention": 8}],
+@pytest.mark.parametrize("model", [LLAMA["model"],
+                                   pytest.param({"arch": "modernbert", "local_attention": 8}, marks=pytest.mark.deep)],
                          ids=["llama", "modernbert"])
 def test_compiled_blocks_and_activation_checkpointing_train_like_eager(tmp_path, tiny_config, model):
     """models.apply_speedups on Llama's decoder and ModernBERT's encoder layers: the same losses
@@ -36,7 +37,7 @@ def test_compiled_blocks_and_activation_checkpointing_train_like_eager(tmp_path,
     assert_same_params(load_params(compiled, 0), load_params(compiled, 1))
 
 
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("precision", [pytest.param("fp16", marks=pytest.mark.deep), "bf16"])
 def test_mixed_precision_trains(tmp_path, tiny_config, precision):
     config = tiny_config({**LLAMA, "train": {"precision": precision, "max_steps": 8, "lr": 3e-3}})
     train_workers(2, config, f"out_dir={tmp_path}")
@@ -58,7 +59,7 @@ def llama_folder(folder, tied: bool):
     return folder
 
 
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("tied", [True, pytest.param(False, marks=pytest.mark.deep)], ids=["tied", "untied"])
 def test_continued_pretraining_from_a_local_folder_also_in_two_stages(tmp_path, tiny_config, tied):
     """model.pretrained: training starts from the folder's weights (its step 0 loss is the
     folder's model's), and two pipeline stages equal one worker."""

@@ -17,7 +17,7 @@ from helpers import BIN, OFFLINE
 from hvdtrain.config import ModelConfig
 from hvdtrain.data.tokenizer import _pretrained, train_tokenizer
 from hvdtrain.errors import UserError
-from hvdtrain.checkpointing.export import load_checkpoint_model
+from hvdtrain.checkpointing.export import checkpoint_config
 from hvdtrain.models.common import Vocab, build_model
 
 TEXTS = [["the quick brown fox jumps over the lazy dog", "a loop runs the statement again and again"] * 20]
@@ -134,7 +134,7 @@ def test_export_reads_a_checkpoint_s_config_without_its_code(tmp_path, arch, cap
     marker = tmp_path / "marker"
     folder = with_custom_code(model_folder(tmp_path / "model", arch), marker)
     with pytest.raises(UserError, match="could not read config.json"):
-        load_checkpoint_model(folder)
+        checkpoint_config(folder)
     assert "[y/N]" not in capsys.readouterr().out
     assert not marker.exists()
 

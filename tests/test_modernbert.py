@@ -18,7 +18,7 @@ pytestmark = pytest.mark.workers
 MODERNBERT = {"model": {"arch": "modernbert", "local_attention": 8}}
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp16", marks=pytest.mark.deep)])
 def test_mixed_precision_follows_fp32(tmp_path, tiny_config, precision):
     """bf16 / fp16 autocast (fp16 with its loss scaler): finite losses that follow fp32's to
     16-bit rounding (random synthetic tokens leave a masked LM little to learn in 8 steps, so
@@ -34,6 +34,7 @@ def test_mixed_precision_follows_fp32(tmp_path, tiny_config, precision):
     assert_same_params(load_params(bf16, 0), load_params(bf16, 1))
 
 
+@pytest.mark.deep
 def test_continued_pretraining_from_a_local_folder_also_in_two_stages(tmp_path, tiny_config):
     """model.pretrained: a folder transformers saved (no hvdtrain involved), with the synthetic
     data's 128 tokens (ids 2, 3, 4 are [CLS], [SEP], [MASK] there). Training starts from its

@@ -120,7 +120,7 @@ def synthetic_vocab(cfg: Config) -> Vocab:
 def tokenizer_vocab(tokenizer) -> Vocab:
     return Vocab(size=len(tokenizer), pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
                  bos_id=tokenizer.bos_token_id, eos_id=tokenizer.eos_token_id, cls_id=tokenizer.cls_token_id,
-                 sep_id=tokenizer.sep_token_id, mask_id=tokenizer.mask_token_id)
+                 sep_id=tokenizer.sep_token_id, mask_id=tokenizer.mask_token_id, origin="data.tokenizer")
 
 
 def text_blocks(cfg: Config, seed: int) -> tuple[TokenBlocks, TokenBlocks, object]:

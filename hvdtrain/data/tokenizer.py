@@ -103,6 +103,12 @@ def _pretrained(name: str) -> PreTrainedTokenizerFast:
                         f"from the hub ({one_line(e)}); use data.tokenizer=train to train one") from None
     if not getattr(tokenizer, "is_fast", False):
         raise UserError(f"config key 'data.tokenizer': '{name}' has no fast (tokenizer.json) version")
+    # A model folder without tokenizer files (weights and config.json only) still gives a
+    # tokenizer: an empty one of the config's model type, which turns every text into nothing.
+    if len(tokenizer) <= len(tokenizer.all_special_tokens):
+        raise UserError(f"config key 'data.tokenizer': '{name}' has no tokenizer files (tokenizer.json or a "
+                        f"vocabulary); set data.tokenizer to the model's tokenizer, a folder or hub name "
+                        f"(with model.pretrained it is the model's folder by default)")
     return tokenizer
 
 

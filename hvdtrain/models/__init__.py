@@ -72,6 +72,9 @@ class Family:
     # attention_shape(model config section): those of shape_of's keys that describe the layout
     # of the attention (ModernBERT's local window), for a model described by the config
     attention_shape: Callable[[object], dict] = lambda model: {}
+    # Rotary position embeddings (Llama, ModernBERT): they turn pairs of each head's dimensions,
+    # so the head dimension d_model / n_head must be even.
+    rotary: bool = False
 
     @property
     def objective(self) -> str:

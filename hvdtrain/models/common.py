@@ -9,6 +9,7 @@ loss is summed here
 (`token_loss_sum`), so it can normalise by the number of targets in the whole optimizer step.
 """
 import os
+import shutil
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -36,6 +37,9 @@ class Vocab:
     cls_id: int | None = None
     sep_id: int | None = None
     mask_id: int | None = None
+    # The config key that decides `size`, for messages: data.vocab_size (synthetic data) or
+    # data.tokenizer (text)
+    origin: str = "data.vocab_size"
 
     @property
     def special_ids(self) -> list[int]:
@@ -55,26 +59,55 @@ def model_blueprint(cfg: ModelConfig, vocab: Vocab, seq_len: int) -> Blueprint:
     a seed drawn from torch's global generator (torch.manual_seed first), or read from the
     safetensors files of model.pretrained."""
     if cfg.pretrained:
-        return pretrained_blueprint(cfg, seq_len)
-    rows = -(-vocab.size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+        return pretrained_blueprint(cfg, vocab, seq_len)
+    rows = embedding_rows(vocab.size)
     make = family(cfg.arch).modeling().model_maker(cfg, vocab, rows, positions=cfg.max_position or seq_len,
                                                    d_ff=cfg.d_ff or 4 * cfg.d_model)
     return Blueprint(make)
 
 
-def pretrained_blueprint(cfg: ModelConfig, seq_len: int) -> Blueprint:
+def embedding_rows(tokens: int) -> int:
+    """The embedding rows of a model for a vocabulary of `tokens`: the next multiple of 64."""
+    return -(-tokens // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def pretrained_folder(name: str) -> Path:
+    """The local folder of model.pretrained: the folder itself, or the snapshot of a hub model's
+    json and safetensors files (fetched once, then read from the Hugging Face cache)."""
+    folder = Path(name)
+    if folder.is_dir():
+        return folder
+    from huggingface_hub import snapshot_download
+    return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors"]))
+
+
+def keep_generation_config(cfg: ModelConfig, run_tokenizer: Path):
+    """Copy model.pretrained's generation_config.json (its sampling settings, and the end tokens
+    `generate` stops at, which config.json may not list) into the run's tokenizer folder, whose
+    files every export puts beside the weights: transformers would otherwise write a default
+    one made from config.json."""
+    source = pretrained_folder(cfg.pretrained) / "generation_config.json"
+    if source.is_file():
+        run_tokenizer.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source, run_tokenizer / source.name)
+
+
+def pretrained_blueprint(cfg: ModelConfig, vocab: Vocab, seq_len: int) -> Blueprint:
     """model.pretrained's architecture from its config.json, to be filled from its safetensors
     files (a local folder, or a hub name whose json and safetensors files are fetched). Weights
     from safetensors only: a pickled pytorch_model.bin can run code when loaded; and no Python
-    code from the folder or the hub (a config's auto_map)."""
+    code from the folder or the hub (a config's auto_map).
+
+    The parameters are fp32 whatever dtype the folder was saved in (config.json's `dtype`, e.g.
+    bfloat16 for Llama 3, float16 for Llama 2): they are the masters that train.precision's
+    autocast computes from in 16 bits, and the run's config (its checkpoints', its export's)
+    says float32. A data vocabulary larger than the folder's embedding is refused, or with
+    model.resize_embeddings met by adding rows (`Blueprint.saved_rows`)."""
     import transformers
     from transformers import AutoConfig
 
     try:
-        folder = Path(cfg.pretrained)
-        if not folder.is_dir():
-            from huggingface_hub import snapshot_download
-            folder = Path(snapshot_download(cfg.pretrained, allow_patterns=["*.json", "*.safetensors"]))
+        folder = pretrained_folder(cfg.pretrained)
         config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     except (OSError, ValueError) as e:  # huggingface_hub's errors are OSErrors or ValueErrors
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -86,9 +119,20 @@ def pretrained_blueprint(cfg: ModelConfig, seq_len: int) -> Blueprint:
     if positions is not None and positions < seq_len:
         raise UserError(f"model.pretrained '{cfg.pretrained}' has {positions} positions, fewer than "
                         f"data.seq_len={seq_len} (train the first phase with model.max_position={seq_len})")
+    saved_rows = config.vocab_size
+    if saved_rows < vocab.size:
+        if not cfg.resize_embeddings:
+            own = (f"data.vocab_size={saved_rows}" if vocab.origin == "data.vocab_size"
+                   else f"data.tokenizer={cfg.pretrained}, the model's own tokenizer")
+            raise UserError(f"model.pretrained '{cfg.pretrained}' has {saved_rows} embedding rows, fewer than the "
+                            f"{vocab.size} tokens {vocab.origin} gives; set model.resize_embeddings=true to add "
+                            f"rows for them, or {own}")
+        config.vocab_size = embedding_rows(vocab.size)
     config._attn_implementation = "sdpa"
     auto = getattr(transformers, family(cfg.arch).auto_class)
-    return Blueprint(partial(auto.from_config, config, trust_remote_code=False), weights=folder)
+    # dtype: transformers' from_config would build in the folder's config.dtype (and keep it).
+    return Blueprint(partial(auto.from_config, config, dtype=torch.float32, trust_remote_code=False),
+                     weights=folder, saved_rows=saved_rows)
 
 
 def transformer_blocks(model) -> torch.nn.ModuleList:
@@ -182,8 +226,9 @@ def masked_positions(hidden: torch.Tensor, batch: dict) -> tuple[torch.Tensor, t
 
 
 def logits_and_labels(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat (positions, vocab) logits and their labels (see head_inputs): for evaluation, which
-    also wants the argmax. Training uses token_loss_sum, which never holds all the logits."""
+    """Flat (positions, vocab) logits and their labels (see head_inputs): the whole micro batch's
+    logits, for tests and the HVDTRAIN_LOSS=logits switch. Training (token_loss_sum) and
+    evaluation (evaluation_sums) never hold them all."""
     features, labels = head_inputs(model, batch)
     return model.get_output_embeddings()(features), labels
 
@@ -205,6 +250,22 @@ def token_loss_sum(model, batch: dict, chunk_elements: int = LOSS_CHUNK_ELEMENTS
     features, labels = head_inputs(model, batch)
     head = model.get_output_embeddings()
     return linear_cross_entropy_sum(features, head.weight, head.bias, labels, chunk_elements)
+
+
+def evaluation_sums(model, batch: dict, chunk_elements: int = LOSS_CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(sum of token cross-entropies, number of targets whose argmax is right, number of
+    targets) over the labelled positions of `batch`, without gradients: the loss and accuracy of
+    evaluation, from the same chunks of positions as token_loss_sum, so that evaluation never
+    holds more logits than a training step does (one chunk, not the micro batch's)."""
+    features, labels = head_inputs(model, batch)
+    head = model.get_output_embeddings()
+    device_type = features.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else features.dtype
+    rows = max(1, chunk_elements // head.weight.shape[0])
+    with torch.no_grad():
+        loss, _, _, _, hits = _chunked_forward(features, head.weight, head.bias, labels, rows, dtype,
+                                               _softmax_cross_entropy_chunk, grads=False, hits=True)
+    return loss, hits, int((labels != IGNORE_INDEX).sum())
 
 
 def linear_cross_entropy_sum(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -236,7 +297,7 @@ class LinearCrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, targets, rows, dtype, chunk):
-        loss, grad_x, grad_w, grad_b = _chunked_forward(x, weight, bias, targets, rows, dtype, chunk, grads=True)
+        loss, grad_x, grad_w, grad_b, _ = _chunked_forward(x, weight, bias, targets, rows, dtype, chunk, grads=True)
         ctx.save_for_backward(grad_x, grad_w, grad_b)
         ctx.has_bias = bias is not None
         ctx.weight_dtypes = (weight.dtype, bias.dtype if bias is not None else None)
@@ -274,7 +335,9 @@ def _compiled_chunk():
     return _COMPILED_CHUNK
 
 
-def _chunked_forward(x, weight, bias, targets, rows, dtype, chunk, grads: bool):
+def _chunked_forward(x, weight, bias, targets, rows, dtype, chunk, grads: bool, hits: bool = False):
+    """(loss sum, grad x, grad W, grad b, argmax hits): the gradients None unless `grads`, the
+    number of labelled positions whose largest logit is their target's None unless `hits`."""
     with torch.autocast(x.device.type, enabled=False):
         xc, wc = x.to(dtype), weight.to(dtype)
         bc = bias.to(dtype) if bias is not None else None
@@ -282,22 +345,29 @@ def _chunked_forward(x, weight, bias, targets, rows, dtype, chunk, grads: bool):
         grad_x = torch.empty_like(x) if grads else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if grads else None
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if grads and bias is not None else None
+        correct = torch.zeros((), dtype=torch.int64, device=x.device) if hits else None
         for start in range(0, x.shape[0], rows):
             xs, ts = xc[start:start + rows], targets[start:start + rows]
-            picked[start:start + rows], grad = chunk(torch.nn.functional.linear(xs, wc, bc), ts, grads)
-            if not grads:
-                continue
-            # Ignored positions get no gradient: their rows of x are zeroed for grad W and
-            # their rows of grad x afterwards (d_model wide), not the vocabulary-wide rows.
-            keep = (ts != IGNORE_INDEX).unsqueeze(1).to(dtype)
-            grad = grad.to(dtype)
-            grad_x[start:start + rows] = (grad @ wc) * keep
-            grad_w.add_(grad.t() @ (xs * keep))
-            if grad_b is not None:
-                grad_b.add_((keep.t() @ grad).squeeze(0))
+            logits = torch.nn.functional.linear(xs, wc, bc)
+            picked[start:start + rows], grad = chunk(logits, ts, grads)
+            if hits:  # ignored positions are -100, never an argmax
+                correct += (logits.argmax(-1) == ts).sum()
+            # Freed before the next chunk's logits are made, so that one chunk's logits and
+            # log-softmax exist at a time, not the previous chunk's too.
+            del logits
+            if grads:
+                # Ignored positions get no gradient: their rows of x are zeroed for grad W and
+                # their rows of grad x afterwards (d_model wide), not the vocabulary-wide rows.
+                keep = (ts != IGNORE_INDEX).unsqueeze(1).to(dtype)
+                grad = grad.to(dtype)
+                grad_x[start:start + rows] = (grad @ wc) * keep
+                grad_w.add_(grad.t() @ (xs * keep))
+                if grad_b is not None:
+                    grad_b.add_((keep.t() @ grad).squeeze(0))
+            del grad
         # The sum as cross_entropy(..., reduction="sum") adds up the whole batch's -log p(target)
         # with the same kernel; the values equal the whole batch's to fp32 rounding only (a chunk's
         # matmul may round differently from the whole batch's, depending on the CPU's kernels).
         column = torch.where(targets != IGNORE_INDEX, 0, IGNORE_INDEX).to(targets.dtype)
         loss = torch.nn.functional.nll_loss(picked.unsqueeze(1), column, ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss, grad_x, grad_w, grad_b
+    return loss, grad_x, grad_w, grad_b, correct

@@ -17,10 +17,12 @@ model is built. So a model is built in three steps (`Blueprint`):
    to them, and keeping tied parameters one tensor), then fills them: from a folder's
    safetensors files, reading only the kept tensors (`load_part`), or with
    transformers' own per-module initialisation (`model._init_weights(module)`, children before
-   parents as transformers applies it), each module under torch's generator seeded by
-   (seed, the module's qualified name) on the CPU, where the part is made. A weight's initial value then depends only on its
-   name and the seed, not on which other layers the rank holds: every pipeline layout starts
-   from the unsplit model's weights, bit for bit, and the distributions are GPT-2's and BERT's.
+   parents as transformers applies it; a tied parameter initialised by the tie's source alone,
+   as transformers ties after initialising: `_untied`), each module under torch's generator
+   seeded by (seed, the module's qualified name) on the CPU, where the part is made. A weight's
+   initial value then depends only on its name and the seed, not on which other layers the
+   rank holds: every pipeline layout starts from the unsplit model's weights, bit for bit, and
+   every parameter has the distribution its transformers class gives it.
 
 `startup_peak_bytes` measures what building one rank's part costs in host memory (for
 `hvdtrain bench memory`).
@@ -69,19 +71,25 @@ class Blueprint:
 
     `seed`: the base of the per-module seeds; by default one draw of torch's global generator,
     so `torch.manual_seed(s)` before building still decides the weights.
-    `weights`: a folder of safetensors files to fill the part from instead (model.pretrained)."""
+    `weights`: a folder of safetensors files to fill the part from instead (model.pretrained);
+    `saved_rows`: the embedding rows of its files, where the model has more
+    (model.resize_embeddings, see load_part)."""
 
-    def __init__(self, make: Callable[[], nn.Module], seed: int | None = None, weights: Path | None = None):
+    def __init__(self, make: Callable[[], nn.Module], seed: int | None = None, weights: Path | None = None,
+                 saved_rows: int | None = None):
         with parameters_on_meta():
             self.model = make()
         self.seed = int(torch.randint(2 ** 62, ())) if seed is None else seed
-        self.weights = weights
+        self.weights, self.saved_rows = weights, saved_rows
         self.aliases = tie_aliases(self.model)  # a stage's tied half may be saved under the other name
         # The whole model's modules in initialisation order, recorded before any split takes
         # modules out of the tree: a tied weight is initialised as in the whole model also
         # where only one of its modules is kept.
         self.modules = list(_init_order(self.model, "", self.model._init_weights))
         self.children = {id(m): dict(m._modules) for _, m, _ in self.modules}  # before a split
+        # Where a tied parameter is the tie's target (the output matrix; the token embedding is
+        # its source): also recorded before a split, which may take either module away.
+        self.tie_targets = [_slot(self.model, name) for name in getattr(self.model, "all_tied_weights_keys", {})]
 
     def materialise(self, part: nn.Module) -> nn.Module:
         """Give `part` (blueprint.model or a part of it) real, filled parameters; returns it."""
@@ -94,28 +102,54 @@ class Blueprint:
                         made[id(p)] = nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
                     module._parameters[key] = made[id(p)]
         if self.weights is not None:
-            load_part(part, self.weights, self.aliases)
+            load_part(part, self.weights, self.aliases, self.saved_rows)
         else:
             self._initialise()
-        self.modules, self.children = [], {}  # the modules the part does not hold can go now
+        self.modules, self.children, self.tie_targets = [], {}, []  # the modules the part does not hold can go now
         return part
 
     @torch.no_grad()
     def _initialise(self):
         # The CPU generator only (the parameters are on the CPU), restored afterwards: what
         # draws from torch's generators after the build (dropout) draws as it would without it.
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), _untied(self.tie_targets):
             for name, module, init in self.modules:
                 if any(not p.is_meta for p in module.parameters()):
                     # The children the split took out are put back for this module's own
-                    # _init_weights (ModernBERT's model inits its decoder, tied to the embedding
-                    # this stage may hold); their other parameters are still on meta.
+                    # _init_weights, which may reach into them (ModernBERT's model inits its
+                    # decoder, which a first stage does not hold); their parameters stay on meta.
                     dropped = {c: child for c, child in self.children[id(module)].items()
                                if child is not None and module._modules.get(c) is None}
                     module._modules.update(dropped)
                     torch.default_generator.manual_seed(module_seed(self.seed, name))
                     init(module)
                     module._modules.update(dict.fromkeys(dropped))
+
+
+def _slot(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """(the module holding the parameter called `name`, its key there)."""
+    parent, _, key = name.rpartition(".")
+    return model.get_submodule(parent), key
+
+
+@contextlib.contextmanager
+def _untied(targets: list[tuple[nn.Module, str]]):
+    """Inside, each tie target holds a parameter of its own on the meta device instead of the
+    tied one, so that its initialisation does not touch the tie's source.
+
+    transformers initialises a model with its ties apart and ties them afterwards
+    (PreTrainedModel.init_weights: initialize_weights, then tie_weights, which makes each target
+    its source): the tied parameter keeps its source's initialisation (the token embedding's:
+    ModernBERT's std, BERT's and Llama's zero padding row), and what the target's module drew
+    is dropped. Here the target draws nothing; the source's module draws as in transformers."""
+    held = [(module, key, module._parameters[key]) for module, key in targets]
+    for module, key, p in held:
+        module._parameters[key] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    try:
+        yield
+    finally:
+        for module, key, p in held:
+            module._parameters[key] = p
 
 
 def _init_order(module: nn.Module, name: str, init) -> Iterator[tuple[str, nn.Module, Callable]]:
@@ -146,12 +180,22 @@ def safetensors_files(folder: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def load_part(part: nn.Module, folder: Path, aliases: dict[str, list[str]]):
+def load_part(part: nn.Module, folder: Path, aliases: dict[str, list[str]], saved_rows: int | None = None):
     """Copy into `part` its own tensors (state_dict names) from the folder's safetensors files,
     one tensor at a time: the files are opened and only the part's names are read. A name not
     in the files is looked for under the other names of its tied parameter in the whole model
     (`aliases`, ties.tie_aliases) and without the model's base prefix ("transformer.",
-    "bert."), as save_pretrained may write them."""
+    "bert."), as save_pretrained may write them. The copy casts to the part's dtype (fp32
+    masters from 16-bit files).
+
+    `saved_rows`: the files' vocabulary rows where the part has more (model.resize_embeddings).
+    A tensor of `saved_rows` rows where the part's has more rows of the same width (the token
+    embedding, the output matrix, its bias) fills the first rows; each added row is the mean of
+    the saved ones. transformers' resize_token_embeddings draws them from a normal around that
+    mean with 1e-9 times the rows' covariance, i.e. the mean to within 3e-5 of the rows'
+    spread: an added token starts as an average one, so the model's predictions on the text it
+    knows hardly move (https://nlp.stanford.edu/~johnhew/vocab-expansion.html). The mean itself
+    needs no draw, so every stage that holds a tied copy computes the same rows."""
     from safetensors import safe_open
 
     files = safetensors_files(folder)
@@ -169,11 +213,21 @@ def load_part(part: nn.Module, folder: Path, aliases: dict[str, list[str]]):
         for path, pairs in by_file.items():
             with safe_open(str(path), framework="pt") as f:
                 for name, source in pairs:
-                    tensor = f.get_tensor(source)
-                    if tensor.shape != targets[name].shape:
+                    tensor, target = f.get_tensor(source), targets[name]
+                    if _added_rows(tensor, target, saved_rows):
+                        target[:saved_rows].copy_(tensor)
+                        target[saved_rows:].copy_(target[:saved_rows].mean(dim=0))
+                    elif tensor.shape != target.shape:
                         raise UserError(f"model.pretrained '{folder}': tensor '{source}' has shape "
-                                        f"{tuple(tensor.shape)}, the model wants {tuple(targets[name].shape)}")
-                    targets[name].copy_(tensor)
+                                        f"{tuple(tensor.shape)}, the model wants {tuple(target.shape)}")
+                    else:
+                        target.copy_(tensor)
+
+
+def _added_rows(saved: torch.Tensor, target: torch.Tensor, saved_rows: int | None) -> bool:
+    """Whether `target` is `saved` with vocabulary rows added (model.resize_embeddings)."""
+    return (saved_rows is not None and saved.shape[0] == saved_rows and target.shape[0] > saved_rows
+            and saved.shape[1:] == target.shape[1:])
 
 
 # ---------------------------------------------------------------- start-up memory

@@ -11,7 +11,8 @@ hvdtrain.training.train continues. The global batch and the data order do not ch
 does, so the losses equal an undisturbed run (no sample is repeated or skipped: the redone steps
 after a rollback read the same samples, and their records replace the first ones: hvdtrain.observe.run_log):
 within fp32 rounding, as another world size sums the gradients in another order, and bitwise
-for a job of two workers down to one, which sums them as the two did (stands_in_for_two).
+for a job of two workers down to one, which sums them as the two did where its micro batches
+are theirs (stands_in_for_two); each reset's record says which (gradient_sums).
 
 What a commit holds (ElasticState): the model, the optimizer, the grad scaler, the step and the
 stream position, in host memory on every worker. Its sync broadcasts rank 0's, like
@@ -106,21 +107,44 @@ def check_elastic_config(cfg: Config):
     if cfg.parallel.pipeline_stages > 1:
         raise UserError("config key 'parallel.pipeline_stages': elastic jobs do not support pipeline stages "
                         f"(got {cfg.parallel.pipeline_stages}); use 1, or a fixed number of workers")
-    if cfg.parallel.shard_optimizer:  # the shards would have to re-form after every reset
-        raise UserError("config key 'parallel.shard_optimizer': elastic jobs do not support a sharded optimizer "
-                        "(got true); use false, or a fixed number of workers")
+    if cfg.parallel.shard != "none":  # the shards would have to re-form after every reset
+        raise UserError(f"config key 'parallel.shard': elastic jobs do not support sharding (got "
+                        f"{cfg.parallel.shard!r}); use none, or a fixed number of workers")
 
 
 def stands_in_for_two(cfg: Config, world_size: int, largest_world: int) -> bool:
-    """Whether the one worker left of a job of two can stand in for both (StandInStep): its
-    micro batches are exactly theirs, the first worker's then the second's, when the global
-    batch is even and it accumulates twice as many as each of them did (hvdtrain.data.sampler
-    cuts every share evenly)."""
-    if world_size != 1 or largest_world != 2:
-        return False
+    """Whether the one worker left of a job of two can stand in for both (StandInStep); see
+    why_one_cannot_stand_in_for_two."""
+    return world_size == 1 and largest_world == 2 and why_one_cannot_stand_in_for_two(cfg) is None
+
+
+def why_one_cannot_stand_in_for_two(cfg: Config) -> str | None:
+    """Why one worker's micro batches are not exactly those of two (the first worker's, then
+    the second's), or None when they are: the global batch must be even, and the one worker must
+    accumulate twice as many micro batches as each of the two (hvdtrain.data.sampler cuts every
+    share evenly): 16 in micro batches of 4 (2 x 2, then 4), not 24 in micro batches of 8 (2 of 6
+    on each of two, 3 of 8 on one)."""
+    global_batch = cfg.train.global_batch_size
     one, _ = resolve_batch(cfg, 1)
     two, _ = resolve_batch(cfg, 2)
-    return cfg.train.global_batch_size % 2 == 0 and one == 2 * two
+    if global_batch % 2:
+        return f"the global batch {global_batch} is odd"
+    if one != 2 * two:
+        return (f"one worker accumulates {one} micro batches where each of two accumulated {two} "
+                f"(train.global_batch_size={global_batch}, train.micro_batch_size={cfg.train.micro_batch_size})")
+    return None
+
+
+def gradient_sums(cfg: Config, world_size: int, largest_world: int) -> str:
+    """What a reset's record says of the run from now on: bitwise the undisturbed run (one
+    worker standing in for two), or equal to it within rounding, and why."""
+    if stands_in_for_two(cfg, world_size, largest_world):
+        return "summed as the 2 workers did (bitwise the undisturbed run)"
+    if world_size == 1 and largest_world == 2:
+        why = f"the worker left cannot sum as the 2 did: {why_one_cannot_stand_in_for_two(cfg)}"
+    else:
+        why = f"a world of {world_size} sums in another order"
+    return f"summed in another order: equal to the undisturbed run within rounding ({why})"
 
 
 def train_elastic(cfg: Config) -> torch.nn.Module:
@@ -151,15 +175,16 @@ def train_elastic(cfg: Config) -> torch.nn.Module:
         distributed.zero_grad(optimizer)
         rng.reseed_for_training(cfg.train.seed, now.rank, state.step)
         check_data(cfg, now, now.size, global_batch, grad_accum)  # Horovod: allgather
+        elastic_state.largest_world = max(elastic_state.largest_world, now.size)
         events = []
         # Horovod: allgather
         reset = [r for r in hvd.allgather_object(elastic_state.last_reset, name="elastic.reset") if r]
         if reset:  # known to the workers that lived through it
             why, rolled_back, before = reset[0]
             events.append({"step": state.step, "event": "reset", "reason": why, "old_world_size": before,
-                           "world_size": now.size, "steps_rolled_back": rolled_back})
+                           "world_size": now.size, "steps_rolled_back": rolled_back,
+                           "gradients": gradient_sums(cfg, now.size, elastic_state.largest_world)})
         elastic_state.last_reset = None
-        elastic_state.largest_world = max(elastic_state.largest_world, now.size)
         engine = build_engine(cfg, device, model, optimizer, scaler, grad_accum, now.size,
                               stand_in=stands_in_for_two(cfg, now.size, elastic_state.largest_world))
         setup = Setup(now, data, model, optimizer, scaler, state, grad_accum, global_batch, peak_lr, now.rank,

@@ -42,4 +42,4 @@ FAMILY = Family(
     # q, k, v, o, gate, up, down, two RMSNorms: one weight each; outside: embed_tokens and the
     # final norm (plus lm_head when untied, which the planner's count leaves out)
     tensors_per_layer=9, other_tensors=2,
-    knobs=("n_kv_head", "rope_theta", "tie_embeddings"))
+    knobs=("n_kv_head", "rope_theta", "tie_embeddings"), rotary=True)

@@ -68,4 +68,4 @@ FAMILY = Family(
     # head's dense and norm, the decoder's bias, less the first layer's missing attn_norm
     tensors_per_layer=6, other_tensors=5,
     knobs=("local_attention", "global_attn_every"), attended_keys=attended_keys,
-    attention_shape=attention_shape)
+    attention_shape=attention_shape, rotary=True)
