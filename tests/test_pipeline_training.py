@@ -56,8 +56,12 @@ def one_worker(tmp_path_factory):
     return reference
 
 
-@pytest.mark.parametrize("arch,schedule", [("gpt2", "gpipe"), ("gpt2", "1f1b"), ("bert", "1f1b"), ("bert", "gpipe"),
-                                           ("llama", "1f1b"), ("llama-untied", "gpipe"), ("modernbert", "1f1b")])
+DEEP = pytest.mark.deep
+
+
+@pytest.mark.parametrize("arch,schedule", [pytest.param("gpt2", "gpipe", marks=DEEP), ("gpt2", "1f1b"), ("bert", "1f1b"),
+                                           pytest.param("bert", "gpipe", marks=DEEP), ("llama", "1f1b"),
+                                           pytest.param("llama-untied", "gpipe", marks=DEEP), ("modernbert", "1f1b")])
 def test_two_stages_equal_one_worker(tmp_path, one_worker, arch, schedule):
     config, reference = one_worker(arch)
     out = tmp_path / "pp2"
@@ -98,6 +102,7 @@ def test_the_start_up_line_gives_the_interleaved_bubble(tmp_path, tiny_config):
     assert "on stage 0 of 2 (interleaved1f1b, 4 micro batches per run, ideal bubble 11%," in proc.stdout, proc.stdout
 
 
+@pytest.mark.deep
 def test_the_reduction_after_the_pipeline_takes_horovod_compression(tmp_path, tiny_config):
     """parallel.reduce_gradients=after with horovod.compression=fp16: the gradients travel as
     fp16, so the run differs from the uncompressed one, within fp16's rounding."""
@@ -149,9 +154,11 @@ def test_a_failing_stage_ends_the_job_at_once_with_its_error(tmp_path, tiny_conf
     (["parallel.pipeline_stages=3"], ["'parallel.pipeline_stages'", "does not divide the 2 workers"]),
     (["parallel.pipeline_stages=2", "train.global_batch_size=4", "train.micro_batch_size=4"],
      ["parallel.microbatches=1", "at least parallel.pipeline_stages=2"]),
-    (["parallel.pipeline_stages=2", "parallel.microbatches=3"], ["'parallel.microbatches'", "does not divide"]),
+    pytest.param(["parallel.pipeline_stages=2", "parallel.microbatches=3"], ["'parallel.microbatches'", "does not divide"],
+                 marks=DEEP),
     (["parallel.pipeline_stages=2", "parallel.schedule=zigzag"], ["'parallel.schedule'", "'1f1b'"]),
-    (["parallel.pipeline_stages=2", "parallel.layer_boundaries=[0,1,2]"], ["parallel.layer_boundaries"]),
+    pytest.param(["parallel.pipeline_stages=2", "parallel.layer_boundaries=[0,1,2]"], ["parallel.layer_boundaries"],
+                 marks=DEEP),
 ])
 def test_impossible_layouts_are_one_line(tmp_path, tiny_config, overrides, words):
     out = tmp_path / "run"

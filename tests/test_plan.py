@@ -38,7 +38,8 @@ def test_gpt2_124m_fp32_state():
 
 @pytest.mark.parametrize("precision,per_param", [("fp32", lambda d: 8 + 8 / d), ("fp16", lambda d: 8 + 8 / d),
                                                  ("bf16", lambda d: 6 + 12 / d)])
-def test_a_sharded_optimizer_divides_its_state_by_the_copies(precision, per_param):
+@pytest.mark.parametrize("spelling", [{"shard": "optimizer"}, {"shard_optimizer": True}])
+def test_a_sharded_optimizer_divides_its_state_by_the_copies(precision, per_param, spelling):
     """Megatron's distributed optimizer's counts (fp32 weights and gradients, 1/d of the moments;
     in bf16, bf16 weights, fp32 gradients, 1/d of the fp32 masters and moments, no autocast
     copies), and the reduce-scatter outputs in flight beside the full gradients: 1/d of one
@@ -46,9 +47,36 @@ def test_a_sharded_optimizer_divides_its_state_by_the_copies(precision, per_para
     for n in (1 << 20, 1 << 30):
         in_flight = min(4 * n, 128 * 2 ** 20)
         for d in (1, 2, 4, 64):
-            cfg = config_from_dict({"train": {"precision": precision}, "parallel": {"shard_optimizer": True}})
+            cfg = config_from_dict({"train": {"precision": precision}, "parallel": spelling})
             parts = planmod.weight_state_bytes(cfg, n, 0, copies=d)
             assert sum(parts.values()) == per_param(d) * n + in_flight // d
+
+
+@pytest.mark.parametrize("precision,per_param", [("fp32", lambda d: 4 + 12 / d), ("bf16", lambda d: 2 + 16 / d)])
+def test_sharded_gradients_keep_only_their_slices_beside_the_gradients_in_flight(precision, per_param):
+    """ZeRO-2: the weights (fp32, or bf16 with 1/d of the fp32 masters), 1/d of the gradients
+    and moments, and one fusion buffer of full gradients in flight."""
+    for n in (1 << 20, 1 << 30):
+        in_flight = min(4 * n, 128 * 2 ** 20)
+        for d in (1, 2, 4, 64):
+            cfg = config_from_dict({"train": {"precision": precision}, "parallel": {"shard": "gradients"}})
+            assert sum(planmod.weight_state_bytes(cfg, n, 0, copies=d).values()) == per_param(d) * n + in_flight
+
+
+@pytest.mark.parametrize("precision,unit_bytes", [("fp32", 4 * 4 + 4), ("bf16", 4 * 2 + 4)])
+def test_full_sharding_keeps_16_over_d_and_the_units_in_flight(precision, unit_bytes):
+    """ZeRO-3: 16/d per parameter, plus 3 units whole and one arriving, in the weights' dtype
+    (bf16 is gathered as bf16), and one unit's fp32 gradients; GPT-2's largest unit is its
+    embeddings (wte and wpe)."""
+    cfg = config_from_dict({**gpt2_124m(precision=precision).to_dict(), "parallel": {"shard": "full"}})
+    unit = planmod.largest_unit_params(cfg)
+    assert unit == (50_257 + 1024) * 768
+    for n in (1 << 27, 1 << 30):
+        for d in (1, 8, 64):
+            parts = planmod.weight_state_bytes(cfg, n, 0, copies=d)
+            assert parts["units in flight (full)"] == unit * unit_bytes
+            in_flight = min(4 * n, 128 * 2 ** 20)
+            assert sum(parts.values()) == 16 * n // d + unit * unit_bytes + in_flight
 
 
 def test_gpt2_124m_bf16_state():
@@ -99,8 +127,11 @@ def test_bert_logits_only_for_masked_positions():
 def test_plan_memory_total_and_fit():
     p = plan(gpt2_124m(precision="bf16"), gpus=1, gpu="NVIDIA H100 80GB HBM3")
     mem = p["memory"]
-    total = 16 * N_124M + 2 * 123_653_376 + 3_019_898_880 + 5_763_874_816 + FIXED
-    assert mem["total"] == total == 12_230_076_928
+    # The chunked loss (loss_chunk_bytes): 1335 positions x 50257 x (2 bf16 logits + 4 their fp32
+    # copy + 4 log-softmax), the head's fp32 gradient and one chunk's product, grad x (bf16)
+    loss = 1335 * 50257 * 10 + 2 * 50257 * 768 * 4 + 8 * 1024 * 768 * 2
+    total = 16 * N_124M + 2 * 123_653_376 + 3_019_898_880 + loss + FIXED
+    assert mem["total"] == total == 7_458_494_982
     assert mem["budget"] == 0.9 * 80 * GIB
     assert mem["fits"] and mem["pipeline_stages"] is None
     assert mem["total_with_checkpointing"] == total - 3_019_898_880 + 553_648_128
@@ -114,18 +145,19 @@ def test_too_big_suggests_pipeline_stages():
     #          ln_f + lm_head copy 38,598,912 x 18 = 694,780,416
     #   activations (1 in flight): the layer inputs but the first (the receive buffer) 4·sbh each,
     #          + one layer's 40·sbh = 31,457,280 (sbh = 786,432)
-    #   receive buffers: m x 4·sbh = m x 3,145,728; logits 1024·50257·14 = 720,484,352
-    # p = 4, layers 10-11: 949,943,808 + 34,603,008 + 12,582,912 + 720,484,352 = 1,717,614,080: too big
-    # p = 5, layer 11:     822,362,112 + 31,457,280 + 15,728,640 + 720,484,352 = 1,590,032,384: fits
+    #   receive buffers: the 1 activation in flight, 4·sbh = 3,145,728; logits 1024·50257·14 = 720,484,352
+    # p = 4, layers 10-11: 949,943,808 + 34,603,008 + 3,145,728 + 720,484,352 = 1,708,176,896: too big
+    # p = 5, layer 11:     822,362,112 + 31,457,280 + 3,145,728 + 720,484,352 = 1,577,449,472: fits
     p = plan(gpt2_124m(precision="bf16"), gpus=1, gpu="tiny", gpu_memory_gib=3)
     mem = p["memory"]
-    assert mem["smallest_total"] == 3_028_034_048 + FIXED
+    # one stage at micro batch 1 holds the chunked loss (824,983,552 B), not the 720,484,352 B of logits
+    assert mem["smallest_total"] == 3_028_034_048 - 720_484_352 + 824_983_552 + FIXED
     assert not mem["fits"]
     assert mem["pipeline_stages"] == 5
     assert "at least 5 pipeline stages (parallel.pipeline_stages; `--pp 5` plans them)" in planmod.format_plan(p)
     cfg = with_stages(gpt2_124m(precision="bf16"), 4)
-    assert stage_memory(cfg, 4, 1, True)[-1]["total"] == 1_717_614_080 + FIXED
-    assert stage_memory(with_stages(cfg, 5), 5, 1, True)[-1]["total"] == 1_590_032_384 + FIXED
+    assert stage_memory(cfg, 4, 1, True)[-1]["total"] == 1_708_176_896 + FIXED
+    assert stage_memory(with_stages(cfg, 5), 5, 1, True)[-1]["total"] == 1_577_449_472 + FIXED
     # 2 GiB (0.675 GiB per stage): the head's copy and the logits alone do not fit on a last stage
     p = plan(gpt2_124m(precision="bf16"), gpus=1, gpu="tiny", gpu_memory_gib=2)
     assert p["memory"]["pipeline_stages"] is None
@@ -204,17 +236,17 @@ def test_mfu_in_scaling_uses_the_gpu_peak():
 # ---------------------------------------------------------------- batch for a target global batch
 
 def test_target_global_batch_largest_micro_batch():
-    # per GPU 64 samples; micro 64 needs 16·N + copies + 64·(12·40·786,432 + 1024·50257·14) + fixed
-    # = 73,716,492,800 B = 68.65 GiB <= 72 GiB
+    # per GPU 64 samples; micro 64 needs 16·N + copies + 64·12·40·786,432 + the chunked loss
+    # (1335·50257·10 + 2·50257·768·4 + 64·1024·768·2 = 1,080,373,254) + fixed = 28,685,867,526 B
     t = plan(gpt2_124m(precision="bf16"), gpus=8, gpu="H100", target_global_batch=512)["target"]
     assert (t["micro_batch"], t["grad_accum"], t["checkpointing"]) == (64, 1, False)
-    assert t["total"] == 73_716_492_800
-    # 1024: micro 128 would need ~137 GiB, so 64 x 2
+    assert t["total"] == 28_685_867_526
+    # 1024: micro 128 needs 52,945,721,862 B = 49.3 GiB <= 72 GiB
     t = plan(gpt2_124m(precision="bf16"), gpus=8, gpu="H100", target_global_batch=1024)["target"]
-    assert (t["micro_batch"], t["grad_accum"]) == (64, 2)
-    # L4, 24 GiB: micro 16 needs 21,013,850,624 B = 19.57 GiB <= 21.6; 32 does not fit
+    assert (t["micro_batch"], t["grad_accum"]) == (128, 1)
+    # L4, 24 GiB: micro 32 needs 16,555,940,358 B = 15.4 GiB <= 21.6; 64 does not fit
     t = plan(gpt2_124m(precision="bf16"), gpus=8, gpu="NVIDIA L4", target_global_batch=512)["target"]
-    assert (t["micro_batch"], t["grad_accum"]) == (16, 4)
+    assert (t["micro_batch"], t["grad_accum"]) == (32, 2)
 
 
 def test_target_needs_checkpointing():
@@ -381,7 +413,7 @@ def small_gpt(**sections):
 # sbh = 32·2·64 = 4,096; one layer (bf16, SDPA) 40·sbh = 163,840; a boundary tensor 4·sbh = 16,384
 STATE_0 = 16 * 118_400 + 2 * 99_968   # 2,094,336
 STATE_1 = 16 * 116_480 + 2 * 116_480  # 2,096,640
-BUFFERS = 4 * 16_384                  # m = 4 micro batches: gradients in (stage 0), activations in (stage 1)
+BUFFERS = 16_384                      # one gradient received (stage 0); the 1 activation in flight (stage 1)
 LOGITS = 2 * 32 * 256 * 14            # 229,376
 
 
@@ -396,8 +428,8 @@ def test_stage_memory_1f1b_by_hand():
     assert ranks[1]["parts"]["activations"] == 2 * 163_840 - 16_384 == 311_296
     assert [r["parts"]["pipeline receive buffers"] for r in ranks] == [BUFFERS, BUFFERS]
     assert "logits and loss" not in ranks[0]["parts"] and ranks[1]["parts"]["logits and loss"] == LOGITS
-    assert ranks[0]["total"] == STATE_0 + 688_128 + BUFFERS + GIB == 2_848_000 + GIB
-    assert ranks[1]["total"] == STATE_1 + 311_296 + BUFFERS + LOGITS + GIB == 2_702_848 + GIB
+    assert ranks[0]["total"] == STATE_0 + 688_128 + BUFFERS + GIB == 2_798_848 + GIB
+    assert ranks[1]["total"] == STATE_1 + 311_296 + BUFFERS + LOGITS + GIB == 2_653_696 + GIB
 
 
 def test_stage_memory_gpipe_and_checkpointing_by_hand():
@@ -473,7 +505,7 @@ def _pp_plan(gpu_memory_gib, **sections):
 def test_plan_with_pp_report():
     p = plan(small_gpt(), gpus=4, gpu="H100", pp=2, step_time=0.1)
     pipe = p["pipeline"]
-    assert pipe["chosen"]["fits"] and pipe["chosen"]["largest"] == 2_848_000 + GIB
+    assert pipe["chosen"]["fits"] and pipe["chosen"]["largest"] == 2_798_848 + GIB
     assert [r["stages"] for r in pipe["rows"]] == [1, 2, 4]
     assert pipe["rows"][2]["copies"] == 1  # 4 stages of one layer each, 16 micro batches per run
     text = planmod.format_plan(p)

@@ -52,7 +52,7 @@ def test_70b_pipeline_recipe_fits_64_gpus_of_80_gb_only_sharded():
     assert 64e9 < p["model"]["params"] < 65e9
     chosen = p["pipeline"]["chosen"]
     assert chosen["stages"] == 16 and chosen["fits"] and chosen["largest"] < 64 * GIB
-    unsharded = load_config(str(RECIPES[0].parent / "gpt-70b-pipeline.yaml"), ["parallel.shard_optimizer=false"])
+    unsharded = load_config(str(RECIPES[0].parent / "gpt-70b-pipeline.yaml"), ["parallel.shard=none"])
     rows = {r["stages"]: r for r in plan(unsharded, gpus=64, gpu="H100")["pipeline"]["rows"]}
     assert not any(r.get("fits") for p, r in rows.items() if p <= 16) and rows[32]["fits"]
 
@@ -85,3 +85,39 @@ def test_modernbert_base_recipe_is_modernbert_base_and_fits_40_gb():
     p = plan(cfg, gpus=8, gpu="H100")
     assert p["model"]["params"] == 149_655_232  # ModernBERT-base's published count
     assert p["memory"]["fits"] and p["memory"]["total"] < 31 * GIB
+
+
+def test_llama_8b_recipe_fits_one_node_of_8_gpus_of_80_gb_with_its_state_sharded():
+    """Issue 35's first mark: Llama 3 8B at context 8192 on one node of 8 x 80 GB without stages
+    (recipes/llama-8b.yaml, `hvdtrain plan ... --gpus 8`): what its comments say of each level."""
+    cfg = load_config(str(RECIPES[0].parent / "llama-8b.yaml"))
+    assert cfg.parallel.pipeline_stages == 1 and cfg.parallel.shard == "full"
+    assert plan(cfg, gpus=8, gpu="H100")["model"]["params"] == 8_030_261_248
+    totals = {}
+    for level in ("full", "gradients", "optimizer", "none"):
+        memory = plan(load_config(str(RECIPES[0].parent / "llama-8b.yaml"), [f"parallel.shard={level}"]),
+                      gpus=8, gpu="H100")["memory"]
+        totals[level] = (memory["fits"], round(memory["total"] / GIB))
+    assert totals == {"full": (True, 32), "gradients": (True, 41), "optimizer": (True, 67), "none": (False, 145)}
+
+
+def test_gpt3_175b_recipe_fits_256_gpus_of_80_gb_in_16_stages_sharded():
+    """Issue 35's second mark: GPT-3 175B (96 x 12288, global batch 1536) on 256 x 80 GB
+    (recipes/gpt3-175b.yaml): 16 stages x 16 copies with their gradients sharded, the fastest
+    layout that fits; with the optimizer level only 32 stages or more fit, unsharded none up to
+    32; fully sharded every depth fits, but gathering the units for each of the 96 micro
+    batches makes it over five times slower."""
+    cfg = load_config(str(RECIPES[0].parent / "gpt3-175b.yaml"))
+    p = plan(cfg, gpus=256, gpu="H100")
+    assert 174e9 < p["model"]["params"] < 175e9
+    chosen = p["pipeline"]["chosen"]
+    assert (chosen["stages"], chosen["copies"], chosen["microbatches"]) == (16, 16, 96)
+    assert chosen["fits"] and chosen["largest"] < 49 * GIB
+    assert chosen["step_s"] == min(r["step_s"] for r in p["pipeline"]["rows"] if "error" not in r and r["fits"])
+    full = plan(load_config(str(RECIPES[0].parent / "gpt3-175b.yaml"), ["parallel.shard=full"]), gpus=256, gpu="H100")
+    assert all(r["fits"] for r in full["pipeline"]["rows"])
+    assert full["pipeline"]["chosen"]["step_s"] > 5 * chosen["step_s"]
+    for level, smallest_fitting in (("optimizer", 32), ("none", None)):
+        other = load_config(str(RECIPES[0].parent / "gpt3-175b.yaml"), [f"parallel.shard={level}"])
+        fitting = [r["stages"] for r in plan(other, gpus=256, gpu="H100")["pipeline"]["rows"] if r.get("fits")]
+        assert (min(fitting) if fitting else None) == smallest_fitting, (level, fitting)

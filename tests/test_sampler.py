@@ -190,11 +190,30 @@ def test_a_global_batch_smaller_than_the_workers_is_refused():
         resolve_batch(cfg, 4)
 
 
-def test_eval_sampler_is_the_same_set_for_any_world_size():
+@pytest.mark.parametrize("batches", [None, 99])
+def test_eval_sampler_scores_the_whole_split_once_for_any_world_size(batches):
+    """10 blocks in micro batches of 3: 4 micro batches, the last filled with 2 stand-ins, split
+    over 1, 2, 3 (uneven: 2, 1, 1) or 4 ranks; every block once; the same at every evaluation."""
     def keys(world):
-        return sorted(k for r in range(world) for b in EvalSampler(10, 3, 5, r, world) for k in b)
-    assert keys(1) == keys(2) == keys(4)
-    assert len(keys(1)) == 15
+        per_rank = [[k for b in EvalSampler(10, 3, batches, r, world) for k in b] for r in range(world)]
+        assert all(len(b) == 3 for r in range(world) for b in EvalSampler(10, 3, batches, r, world))
+        return sorted(k for keys in per_rank for k in keys if k is not STAND_IN), sum(k is STAND_IN for keys in per_rank
+                                                                                      for k in keys)
+    assert keys(1) == keys(2) == keys(3) == keys(4) == ([(i, 0, i) for i in range(10)], 2)
+    assert [len(EvalSampler(10, 3, batches, r, 3)) for r in range(3)] == [2, 1, 1]
+    assert list(EvalSampler(10, 3, batches, 0, 1)) == list(EvalSampler(10, 3, batches, 0, 1))
+
+
+def test_eval_sampler_cap_takes_the_first_micro_batches():
+    capped = [k for b in EvalSampler(10, 3, 2, 0, 1) for k in b]
+    assert capped == [(i, 0, i) for i in range(6)]
+
+
+def test_eval_batches_default_is_the_whole_split_and_a_cap_is_checked():
+    assert load_config(None, []).eval.batches is None
+    assert load_config(None, ["eval.batches=4"]).eval.batches == 4
+    with pytest.raises(UserError, match="eval.batches"):
+        load_config(None, ["eval.batches=0"])
 
 
 # ---------------------------------------------------------------- each epoch's block grid

@@ -14,7 +14,7 @@ from helpers import (WORKERS, assert_same_losses, hvdtrain, horovodrun, load_par
 from hvdtrain.checkpointing import checkpoint
 from hvdtrain.parallel.sharded_optimizer import shard_range
 
-SHARD = "parallel.shard_optimizer=true"
+SHARD = "parallel.shard=optimizer"
 # A clip low enough to act in every step (the norms are ~1): the norm is the whole model's.
 CLIPPED = {"train": {"global_batch_size": 8, "max_steps": 10, "grad_clip": 0.05}}
 PIPE = {"model": {"n_layer": 4}, "train": {"micro_batch_size": 2, "global_batch_size": 8, "lr": 1e-3,
@@ -42,8 +42,11 @@ def test_the_shards_are_horovods_reduce_scatter_split():
 
 @pytest.mark.workers
 @pytest.mark.parametrize("optimizer,model", [
-    ("adamw", {}), ("lamb", {}), ("adamw", {"arch": "llama", "n_kv_head": 1}),
-    ("adamw", {"arch": "modernbert", "local_attention": 8})], ids=["adamw", "lamb", "llama", "modernbert"])
+    ("adamw", {}), pytest.param("lamb", {}, marks=pytest.mark.deep),
+    # the other families under deep (to make room for test_shard_levels; each level's families are there)
+    pytest.param("adamw", {"arch": "llama", "n_kv_head": 1}, marks=pytest.mark.deep),
+    pytest.param("adamw", {"arch": "modernbert", "local_attention": 8}, marks=pytest.mark.deep)],
+    ids=["adamw", "lamb", "llama", "modernbert"])
 def test_sharded_equals_unsharded_and_one_worker(tmp_path, tiny_config, optimizer, model):
     config = tiny_config({**CLIPPED, "model": model, "train": {**CLIPPED["train"], "optimizer": optimizer}})
     one, two, sharded = tmp_path / "np1", tmp_path / "np2", tmp_path / "sharded"
@@ -75,7 +78,9 @@ def test_a_full_gradient_is_freed_once_its_reduce_scatter_is_done_during_backwar
 @pytest.mark.workers
 def test_bf16_computes_in_bf16_weights_with_fp32_masters_within_bf16_tolerance(tmp_path, tiny_config):
     """The sharded bf16 run's model holds bf16 weights (the fp32 masters are sharded), its
-    checkpoint the fp32 masters' slices; its losses are today's bf16 path's within bf16 rounding."""
+    checkpoint the fp32 masters' slices; its losses are today's bf16 path's within bf16 rounding.
+    The weights cross the allgather as bf16 bits (sharded_optimizer.on_the_wire): each rank's
+    weights are its masters rounded to bf16, bit for bit."""
     config = tiny_config({"train": {"precision": "bf16", "grad_accum": 2, "max_steps": 10}})
     today, sharded = tmp_path / "today", tmp_path / "sharded"
     train_workers(2, config, f"out_dir={today}")
@@ -87,8 +92,14 @@ def test_bf16_computes_in_bf16_weights_with_fp32_masters_within_bf16_tolerance(t
     part = checkpoint.newest_intact_checkpoint(sharded) / "model-00001-of-00002.safetensors"
     with safe_open(str(part), framework="pt") as f:
         assert f.get_tensor("transformer.h.0.mlp.c_fc.weight").dtype == torch.float32
+    for rank in (0, 1):
+        weights = load_params(sharded, rank)
+        masters = checkpoint.read_weights(checkpoint.newest_intact_checkpoint(sharded), list(weights),
+                                          {"lm_head.weight": ["transformer.wte.weight"]})  # tied
+        assert all(torch.equal(masters[k].to(torch.bfloat16), v) for k, v in weights.items())
 
 
+@pytest.mark.deep
 @pytest.mark.workers
 def test_two_stages_times_two_sharded_copies_equal_the_unsharded_grid(tmp_path, tiny_config):
     """4 workers: 2 pipeline stages x 2 copies, the slices taken over each stage's copies;
@@ -152,8 +163,13 @@ def test_resume_across_layouts_equals_a_straight_run(tmp_path, tiny_config):
 
 @pytest.mark.workers
 @pytest.mark.parametrize("overrides,words", [
-    ([SHARD, "horovod.compression=fp16"], ["'horovod.compression'", "parallel.shard_optimizer"]),
+    ([SHARD, "horovod.compression=fp16"], ["'horovod.compression'", "parallel.shard='optimizer'"]),
     ([SHARD, "horovod.op=adasum"], ["'horovod.op'", "'adasum' is not supported"]),
+    (["parallel.shard=full", "horovod.op=adasum"], ["'horovod.op'", "'adasum' is not supported"]),
+    (["parallel.shard=gradients", "horovod.compression=fp16"], ["'horovod.compression'", "parallel.shard='gradients'"]),
+    (["parallel.shard=full", "parallel.shard_optimizer=true"], ["'parallel.shard_optimizer'", "parallel.shard='full'"]),
+    (["parallel.shard=zero3"], ["'parallel.shard'", "zero3"]),
+    (["parallel.shard=full", "model.compile=true"], ["'model.compile'", "parallel.shard='full'"]),
 ])
 def test_what_sharding_does_not_support_is_one_line(tmp_path, tiny_config, overrides, words):
     out = tmp_path / "run"
@@ -164,10 +180,17 @@ def test_what_sharding_does_not_support_is_one_line(tmp_path, tiny_config, overr
     assert not out.exists()
 
 
-def test_elastic_jobs_refuse_a_sharded_optimizer():
+@pytest.mark.parametrize("level", ["optimizer", "gradients", "full"])
+def test_elastic_jobs_refuse_sharding(level):
     from hvdtrain.config import load_config
     from hvdtrain.parallel.elastic import check_elastic_config
     from hvdtrain.errors import UserError
-    cfg = load_config(None, ["train.global_batch_size=8", SHARD])
-    with pytest.raises(UserError, match="'parallel.shard_optimizer': elastic jobs do not support"):
+    cfg = load_config(None, ["train.global_batch_size=8", f"parallel.shard={level}"])
+    with pytest.raises(UserError, match=f"'parallel.shard': elastic jobs do not support sharding .got '{level}'"):
         check_elastic_config(cfg)
+
+
+def test_shard_optimizer_true_is_the_optimizer_level():
+    from hvdtrain.config import load_config
+    assert load_config(None, ["parallel.shard_optimizer=true"]).parallel.shard == "optimizer"
+    assert load_config(None, ["parallel.shard_optimizer=false"]).parallel.shard == "none"

@@ -388,18 +388,24 @@ def read_ranges(path: Path, prefix: str, ranges: dict[str, tuple[int, int]]) -> 
     return out
 
 
-def load_weights(model, path: Path, aliases: dict[str, list[str]] | None = None):
-    """Fill `model` (a whole model or one pipeline stage) from the checkpoint's parts, by name."""
-    aliases = tie_aliases(model) if aliases is None else aliases
-    needed = model.state_dict()
-    wanted = set(needed) | {a for n in needed for a in aliases.get(n, [])}
+def read_weights(path: Path, names, aliases: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+    """The whole tensors `names` of the checkpoint's weights, from its parts (slices put back
+    together); a tied tensor saved under another of its names (`aliases`) is found there."""
+    wanted = set(names) | {a for n in names for a in aliases.get(n, [])}
     saved = _read_tensors(path, "model", wanted.__contains__)
     found = {}
-    for name in needed:
+    for name in names:
         source = next((n for n in [name, *aliases.get(name, [])] if n in saved), None)
         if source is None:
             raise UserError(f"the checkpoint {path} has no weights for '{name}'; it was written for another model")
         found[name] = saved[source]
+    return found
+
+
+def load_weights(model, path: Path, aliases: dict[str, list[str]] | None = None):
+    """Fill `model` (a whole model or one pipeline stage) from the checkpoint's parts, by name."""
+    aliases = tie_aliases(model) if aliases is None else aliases
+    found = read_weights(path, list(model.state_dict()), aliases)
     try:
         model.load_state_dict(found, strict=True)
     except RuntimeError as e:

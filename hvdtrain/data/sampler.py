@@ -98,14 +98,20 @@ class StreamSampler(torch.utils.data.Sampler):
 
 
 class EvalSampler(torch.utils.data.Sampler):
-    """The same `batches` micro batches of the validation set at every evaluation, whatever
-    the world size: micro batch b holds samples [b*micro, (b+1)*micro) (wrapping around a
-    small set, always epoch 0's blocks), and rank r evaluates batches r, r+W, r+2W, ... Results
-    are summed over ranks."""
+    """The validation blocks in order, in micro batches, the same at every evaluation whatever
+    the world size: the whole set (`batches` None) or its first `batches` micro batches. Micro
+    batch b holds blocks [b*micro, (b+1)*micro); the last one is filled up with STAND_IN keys
+    (samples without targets), so every micro batch has the shape a pipeline stage expects and
+    no block counts twice. Rank r evaluates micro batches r, r+W, r+2W, ...: ranks may get one
+    more or fewer, which is safe as each rank's evaluation ends with one allreduce of its sums
+    (every stage of a pipeline reads the same samples, so it runs the same schedules)."""
 
-    def __init__(self, dataset_size: int, micro_batch: int, batches: int, rank: int, world_size: int):
-        self.batches = [[(i, 0, i % dataset_size) for i in range(b * micro_batch, (b + 1) * micro_batch)]
-                        for b in range(rank, batches, world_size)]
+    def __init__(self, dataset_size: int, micro_batch: int, batches: int | None, rank: int, world_size: int):
+        whole = -(-dataset_size // micro_batch)
+        count = whole if batches is None else min(batches, whole)
+        self.batches = [[(i, 0, i) if i < dataset_size else STAND_IN
+                         for i in range(b * micro_batch, (b + 1) * micro_batch)]
+                        for b in range(rank, count, world_size)]
 
     def __iter__(self):
         return iter(self.batches)

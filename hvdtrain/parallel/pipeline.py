@@ -29,6 +29,7 @@ copies). Used by a worker, in this order:
 Parameter names stay those of the Hugging Face model (`transformer.h.3.attn.c_attn.weight`),
 so each stage can write its part of a checkpoint and any layout can read it back.
 """
+import copy
 import os
 import socket
 import sys
@@ -306,6 +307,86 @@ class TokenLoss:
         return loss * self.scale
 
 
+class InFlightStage(PipelineStage):
+    """torch's PipelineStage that holds receive buffers for the micro batches in flight only.
+
+    torch (2.13, pipelining/stage.py) allocates its receive buffers when a schedule first runs
+    (`_prepare_forward_infra`, `_prepare_backward_infra`, again after each switch between
+    training and evaluation): for each of the run's m micro batches one buffer for the activation
+    the stage receives (every stage but the first) and one for the gradient of its output (every
+    stage but the last), and keeps all 2·m for the stage's life, although its schedule never has
+    more than a few micro batches between their forward and backward (1F1B: p - stage). For
+    GPT-3 175B in 32 stages with 192 micro batches per run that is 36 GiB of a rank's memory.
+
+    Here a buffer is made when its receive is posted (get_fwd_recv_ops, get_bwd_recv_ops) and
+    the stage lets go of it once the forward (backward) of its micro batch has used it. A
+    received activation then lives exactly as long as torch's fwd_cache keeps it as the input of
+    the micro batch's backward, so forward buffers follow the schedule's in-flight count; a
+    received gradient lives until its backward is done (one at a time). At set-up torch makes
+    one buffer at a time, let go at once. In evaluation, where no backward takes a micro batch
+    back, torch's fwd_cache would keep every micro batch's input and output until the next run:
+    they are let go once the output is sent. The tensors, their shapes, dtypes and the autograd calls are
+    torch's own, so the numbers are unchanged (tests/test_pipeline_training.py).
+
+    A subclass (no copy of torch's code) because PipelineStage has no option for it. Upstream,
+    `_PipelineStageBase` could make each `_RecvInfo` buffer in `_get_recv_ops` and drop it after
+    `forward_one_chunk` / `backward_one_chunk` itself. Plain tensors only (no DTensor inputs,
+    which hvdtrain does not send)."""
+
+    def _prepare_forward_infra(self, num_microbatches, *args, **kwargs):
+        # torch makes the receive infos of one micro batch (one buffer, not m); each micro batch
+        # gets its own copy of them, without a buffer until its receive is posted.
+        meta = super()._prepare_forward_infra(1, *args, **kwargs)
+        one = self.args_recv_info[0]
+        for chunk in range(num_microbatches):
+            self.args_recv_info[chunk] = tuple(copy.copy(info) for info in one)
+            self._let_go(self.args_recv_info[chunk])
+        return meta
+
+    def _create_grad_recv_info(self, act_send_info):
+        infos = super()._create_grad_recv_info(act_send_info)
+        self._let_go(infos)  # one micro batch's at a time: torch calls this once per micro batch
+        return infos
+
+    def get_fwd_recv_ops(self, fwd_chunk_id):
+        self._make(self.args_recv_info[fwd_chunk_id])
+        return super().get_fwd_recv_ops(fwd_chunk_id)
+
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        self._let_go(self.args_recv_info[fwd_chunk_id])  # fwd_cache keeps it for the backward
+        return output
+
+    def get_fwd_send_ops(self, fwd_chunk_id):
+        ops = super().get_fwd_send_ops(fwd_chunk_id)  # the ops hold the output until it is sent
+        if not self.has_backward:  # evaluation: no backward will pop the micro batch
+            self.fwd_cache.pop(fwd_chunk_id)
+        return ops
+
+    def get_bwd_recv_ops(self, bwd_chunk_id):
+        if self.has_backward and not self.is_last:
+            self._make(self.grad_recv_info[bwd_chunk_id])
+        return super().get_bwd_recv_ops(bwd_chunk_id)
+
+    def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        if self.has_backward and not self.is_last:
+            self._let_go(self.grad_recv_info[bwd_chunk_id])
+
+    def _make(self, infos):
+        """A buffer for each received tensor of one micro batch, laid out as torch's own."""
+        for info in infos:
+            if not info.is_root_arg and info.buffer is None and info.tensor_meta is not None:
+                meta = info.tensor_meta
+                info.buffer = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=self.device)
+
+    @staticmethod
+    def _let_go(infos):
+        for info in infos:
+            if not info.is_root_arg:
+                info.buffer = None
+
+
 @dataclass
 class Pipeline:
     """What run() needs: torch's schedule over this rank's PipelineStages, the layout, the loss."""
@@ -324,7 +405,7 @@ def build_schedule(stage: StageModule, layout: Layout, groups: Groups, name: str
     or evaluation) must have the same shape."""
     check_schedule(name, layout.stages, layout.stages_per_rank, n_microbatches)
     loss = TokenLoss(stage, loss_scale)
-    stages = [PipelineStage(chunk, s, layout.num_stages, device, group=groups.pipeline)
+    stages = [InFlightStage(chunk, s, layout.num_stages, device, group=groups.pipeline)
               for s, chunk in zip(layout.stage_ids, stage.chunks)]
     stage_arg = stages if name.lower() in INTERLEAVED else stages[0]  # multi- or single-stage class
     schedule = get_schedule_class(name)(stage_arg, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)

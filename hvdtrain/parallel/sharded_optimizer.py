@@ -1,5 +1,6 @@
 """A sharded optimizer over Horovod: ZeRO stage 1 (Rajbhandari et al. 2019), Megatron-Core's
-distributed optimizer, with `parallel.shard_optimizer: true`.
+distributed optimizer, with `parallel.shard: optimizer`; stages 2 and 3 with `gradients` and
+`full` (below the ZeRO-1 notes).
 
 Unsharded, every data-parallel copy allreduces the gradients and then steps the whole
 optimizer state: fp32 weights 4 B + gradients 4 B + two fp32 moments 8 B per parameter on
@@ -38,8 +39,11 @@ most one fusion buffer's worth during backward, one bucket (BUCKET_BYTES) after 
 too: one bucket of gathered weights at a time, once the slices are freed. Horovod's own
 working buffers come on top (its fusion buffer; on Gloo a copy of each tensor it reduces
 alone and the halving-doubling algorithm's buffers, see docs/memory.md).
-The reduce-scatter and the allgather both carry fp32 (the masters are fp32; Horovod's CPU
-collectives take no bf16): together the bytes of today's fp32 allreduce.
+The reduce-scatter carries fp32 (the sum is the masters'); the allgather carries the weights'
+own dtype (`on_the_wire`): bf16 weights cross as their 16 bits, viewed as int16 since Horovod's
+collectives take no bf16 (their rounding is the cast into the weights, done before the gather
+instead of after it: the same values), so a bf16 step moves 1.5x the bytes of an fp32
+reduce-scatter, three quarters of today's fp32 allreduce.
 
 What overlaps with backward: in the last micro batch of a step each parameter's reduce-scatter
 is enqueued from its post-accumulate-grad hook as soon as its gradient is complete, and
@@ -51,6 +55,15 @@ overlap: the wait for the last gradients (the embeddings', complete when backwar
 norm and found-inf reductions, the step, and the allgather, which runs after the step and
 before the next forward (Megatron overlaps it with the next forward, waiting for each layer's
 weights in a forward pre-hook; not done here).
+
+`parallel.shard: gradients` (ZeRO-2): the reduce-scatter is started from the hook of every
+backward pass, not only the last; each pass's full gradient (bf16: its fp32 copy) is released
+to Horovod at once and freed when its reduction is done, and the reduced slices accumulate in
+the masters' `.grad` over the step: 4 + 12/d bytes per parameter, bf16 2 + 16/d, plus the
+reductions in flight. A pipeline that reduces after its runs reduces after each run
+(`reduce_run`, called by the step engine). `full` (ZeRO-3) reduces the same way; its masters are
+copies, the weights' only home, gathered unit by unit by hvdtrain.parallel.sharded_weights, so
+`step` allgathers nothing.
 
 Checkpoints (hvdtrain.checkpointing.checkpoint.write_slices): every copy writes its slices of the fp32
 weights and of the optimizer state under the parameters' names; any layout, sharded or not,
@@ -87,6 +100,21 @@ def shard_range(numel: int, rank: int, size: int) -> tuple[int, int]:
     return start, start + base + (rank < extra)
 
 
+def on_the_wire(s: "_Slice") -> torch.Tensor:
+    """A master slice as Horovod's allgather carries it: in its weights' dtype, so 16-bit weights
+    move half the bytes of their fp32 masters; bf16 as its bits in int16 (Horovod's collectives
+    take no bf16: the gather only moves them). An fp32 master goes as it is."""
+    if s.param.dtype == torch.float32:
+        return s.master.detach()
+    wire = s.master.detach().to(s.param.dtype)
+    return wire.view(torch.int16) if s.param.dtype == torch.bfloat16 else wire
+
+
+def off_the_wire(whole: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What on_the_wire sent, gathered, as weights of `dtype` again."""
+    return whole.view(torch.bfloat16) if dtype == torch.bfloat16 else whole
+
+
 @dataclass
 class _Slice:
     """This copy's part of one parameter."""
@@ -97,8 +125,7 @@ class _Slice:
     master: torch.Tensor           # fp32 [end - start]: the weights' own values, or a copy of them
     main_grad: torch.Tensor | None = None  # 16-bit weights: the fp32 sum of the step's gradients
     passes: int = 0                # backward passes of this step that reached the parameter
-    handle: object = None          # its reduce-scatter, once started
-    reduced: bool = False          # its reduced slice taken, this step
+    reduced: bool = False          # a reduced slice taken (added into master.grad), this step
 
 
 class ShardedOptimizer:
@@ -117,12 +144,16 @@ class ShardedOptimizer:
 
     def __init__(self, model: torch.nn.Module, train_cfg, peak_lr: float, device: torch.device, horovod_cfg,
                  backward_passes: int, rank: int, size: int, process_set=None, reduce_during: bool = True,
-                 compute_dtype: torch.dtype = torch.float32, not_counted=()):
+                 compute_dtype: torch.dtype = torch.float32, not_counted=(), level: str = "optimizer"):
         """`rank` of `size`: this copy among those that reduce the model's gradients, the Horovod
         `process_set` (default: all workers). `backward_passes`: micro batches per step.
         `compute_dtype`: the weights' dtype (bfloat16: the weights are cast, fp32 masters kept).
-        `not_counted`: parameters left out of the global norm (a pipeline's tied copy)."""
-        self.model, self.rank, self.size = model, rank, size
+        `not_counted`: parameters left out of the global norm (a pipeline's tied copy).
+        `level`: parallel.shard, "optimizer", "gradients" or "full" (whose weights this class
+        does not gather: hvdtrain.parallel.sharded_weights does, from the masters)."""
+        self.model, self.rank, self.size, self.level = model, rank, size, level
+        # ZeRO-2 and 3: every micro batch's gradients are reduce-scattered, not only the last's
+        self.every_pass = level in ("gradients", "full")
         self.process_set = process_set if process_set is not None else hvd.global_process_set
         self.backward_passes, self.reduce_during, self.compute_dtype = backward_passes, reduce_during, compute_dtype
         op = {"average": hvd.Average, "sum": hvd.Sum}[horovod_cfg.op]
@@ -135,7 +166,8 @@ class ShardedOptimizer:
                 continue
             start, end = shard_range(p.numel(), rank, size)
             own = p.detach().view(-1)[start:end]
-            master = own if compute_dtype == torch.float32 else own.float().clone()
+            # fp32 weights kept whole: the master slice is a view into them; else its own copy
+            master = own if compute_dtype == torch.float32 and level != "full" else own.float().clone()
             self.slices.append(_Slice(name, p, start, end, master))
         if compute_dtype != torch.float32:  # after the masters took the fp32 values
             for s in self.slices:
@@ -145,7 +177,7 @@ class ShardedOptimizer:
                                    train_cfg, peak_lr, device, lamb_norms=self._sum_over_copies)
         self._step_supports_amp_scaling = getattr(self.inner, "_step_supports_amp_scaling", False)
         self.by_param = {id(s.param): s for s in self.slices}
-        self.in_flight = deque()  # slices whose reduce-scatter started during backward, oldest first
+        self.in_flight = deque()  # (slice, handle) of the reduce-scatters started during backward, oldest first
         for s in self.slices:
             s.param.register_post_accumulate_grad_hook(partial(self._on_gradient, s))
 
@@ -161,26 +193,35 @@ class ShardedOptimizer:
 
     def _on_gradient(self, s: _Slice, param: torch.nn.Parameter):
         """After each backward pass has added to the parameter's gradient."""
+        s.passes += 1
+        if self.every_pass and self.reduce_during:  # ZeRO-2/3: this pass's gradient, reduced now
+            grad = param.grad.float().reshape(-1)
+            param.grad = None  # the next pass starts a new one; Horovod holds this one until done
+            self._start_reduce(s, grad)
+            return
         if self.compute_dtype != torch.float32:  # 16-bit weights: sum the gradients in fp32
             s.main_grad = param.grad.float() if s.main_grad is None else s.main_grad.add_(param.grad)
             param.grad = None
-        s.passes += 1
         if self.reduce_during and s.passes == self.backward_passes:  # complete: reduce it now, during backward
-            # Horovod: reduce-scatter, in the background while backward goes on
-            s.handle = hvd.reducescatter_async(self._full_grad(s), name=f"shard.{s.name}", **self.reduce_args)
-            self.in_flight.append(s)
-            self._collect_done()
+            self._start_reduce(s, self._full_grad(s))
+
+    def _start_reduce(self, s: _Slice, grad: torch.Tensor):
+        # Horovod: reduce-scatter, in the background while backward goes on
+        self.in_flight.append((s, hvd.reducescatter_async(grad, name=f"shard.{s.name}.{s.passes}", **self.reduce_args)))
+        self._collect_done()
 
     def _collect_done(self, wait: bool = False):
         """Take the reduced slices of the reduce-scatters that are done (all of them with `wait`),
         oldest first, freeing their full gradients: the slices then take the full gradients' place."""
-        while self.in_flight and (wait or hvd.poll(self.in_flight[0].handle)):
-            s = self.in_flight.popleft()
-            self._take(s, hvd.synchronize(s.handle))
+        while self.in_flight and (wait or hvd.poll(self.in_flight[0][1])):
+            s, handle = self.in_flight.popleft()
+            self._take(s, hvd.synchronize(handle))
 
     def _take(self, s: _Slice, reduced: torch.Tensor):
-        s.master.grad, s.reduced = reduced, True
-        s.handle, s.passes, s.main_grad, s.param.grad = None, 0, None, None
+        """The reduced slice added into the step's (ZeRO-2/3: the slices of each micro batch
+        accumulate there), its full gradient freed."""
+        s.master.grad = reduced if s.master.grad is None else s.master.grad.add_(reduced)
+        s.reduced, s.main_grad, s.param.grad = True, None, None
 
     def _full_grad(self, s: _Slice) -> torch.Tensor:
         grad = s.main_grad if self.compute_dtype != torch.float32 else s.param.grad
@@ -188,19 +229,36 @@ class ShardedOptimizer:
             grad = torch.zeros(s.param.shape, dtype=torch.float32, device=s.param.device)
         return grad.reshape(-1)
 
+    def _has_full_grad(self, s: _Slice) -> bool:
+        return (s.main_grad if self.compute_dtype != torch.float32 else s.param.grad) is not None
+
+    @property
+    def reduces_each_run(self) -> bool:
+        """ZeRO-2/3 with a pipeline that reduces after its runs: the engine calls reduce_run()
+        after each run of the schedule, so no full gradient outlives a run."""
+        return self.every_pass and not self.reduce_during
+
+    def reduce_run(self):
+        """The full gradients summed so far (a pipeline run's), reduce-scattered into the slices."""
+        self._reduce_buckets([s for s in self.slices if self._has_full_grad(s)])
+
     def reduce_gradients(self):
         """Every slice's reduced gradient in its `.grad` (waits for the reduce-scatters started
-        during backward; starts those that were not in grouped reduce-scatters of at most
-        BUCKET_BYTES each, one at a time), and the full gradients freed."""
+        during backward; starts those that were not), and the full gradients freed."""
         self._collect_done(wait=True)
-        for bucket in self._buckets([s for s in self.slices if not s.reduced]):
+        # Full gradients not yet reduced, and parameters this step did not reach (zeros)
+        self._reduce_buckets([s for s in self.slices if self._has_full_grad(s) or not s.reduced])
+        for s in self.slices:
+            s.reduced, s.passes = False, 0
+
+    def _reduce_buckets(self, slices: list[_Slice]):
+        """Grouped reduce-scatters of at most BUCKET_BYTES each, one at a time."""
+        for bucket in self._buckets(slices):
             # Horovod: grouped reduce-scatter of gradients not yet reduced
             handle = hvd.grouped_reducescatter_async([self._full_grad(s) for s in bucket],
                                                      name=f"shard.grads.{bucket[-1].name}", **self.reduce_args)
             for s, reduced in zip(bucket, hvd.synchronize(handle)):
                 self._take(s, reduced)
-        for s in self.slices:
-            s.reduced = False
 
     @staticmethod
     def _buckets(slices: list[_Slice]):
@@ -266,13 +324,14 @@ class ShardedOptimizer:
         self.inner.step()
         self.inner.found_inf = self.inner.grad_scale = None
         self.zero_grad()  # the reduced slices are spent: their memory is free for the gathered weights
+        if self.level == "full":  # gathered unit by unit when the next forward needs them (sharded_weights)
+            return
         for bucket in self._buckets(self.slices):
-            # Horovod: grouped allgather of the updated slices; fp32 on the wire (Horovod's CPU
-            # collectives take no bf16), cast into 16-bit weights
-            gathered = hvd.grouped_allgather([s.master for s in bucket], name=f"shard.weights.{bucket[-1].name}",
-                                             process_set=self.process_set)
+            # Horovod: grouped allgather of the updated slices, in the weights' dtype
+            gathered = hvd.grouped_allgather([on_the_wire(s) for s in bucket],
+                                             name=f"shard.weights.{bucket[-1].name}", process_set=self.process_set)
             for s, whole in zip(bucket, gathered):
-                s.param.detach().view(-1).copy_(whole)
+                s.param.detach().view(-1).copy_(off_the_wire(whole, s.param.dtype))
 
     def zero_grad(self):
         for s in self.slices:

@@ -1,11 +1,12 @@
-"""`hvdtrain bench memory`: what a sharded optimizer saves per worker, measured against
+"""`hvdtrain bench memory`: what each sharding level saves per worker, measured against
 `hvdtrain plan`'s count.
 
-    hvdtrain bench memory [CONFIG] [overrides] [--copies 1,2,4] [--steps 3] [--threads 1] [--json]
+    hvdtrain bench memory [CONFIG] [overrides] [--copies 1,2,4] [--levels none,optimizer,gradients,full]
+                          [--steps 3] [--threads 1] [--json]
 
-For each d in --copies, two runs of d workers started by horovodrun as `hvdtrain launch` starts
-them, each worker running hvdtrain.training.train's set_up and step loop (what `hvdtrain train` runs) on
-the recipe's model with synthetic data: parallel.shard_optimizer false, then true. Each worker
+For each d in --copies, one run of d workers per level started by horovodrun as `hvdtrain launch`
+starts them, each worker running hvdtrain.training.train's set_up and step loop (what `hvdtrain
+train` runs) on the recipe's model with synthetic data, with parallel.shard at that level. Each worker
 reports
   * its optimizer state: the bytes of the tensors the optimizer keeps (moments and step counts;
     sharded: this worker's slices, and the fp32 master slices where the weights are 16-bit);
@@ -42,8 +43,11 @@ MIB = 2 ** 20
 CPU_PLAN = ", without the CUDA overhead, sharded with Gloo's reduce-scatter working memory"
 
 
-def run_overrides(args, sharded: bool, out_dir: Path) -> list[str]:
-    return [f"parallel.shard_optimizer={str(sharded).lower()}", f"train.max_steps={args.steps}",
+LEVELS = ("none", "optimizer", "gradients", "full")
+
+
+def run_overrides(args, level: str, out_dir: Path) -> list[str]:
+    return [f"parallel.shard={level}", "parallel.shard_optimizer=false", f"train.max_steps={args.steps}",
             "log.every=1", "log.progress=false", "log.tensorboard=false", "log.step_breakdown=false",
             "checkpoint.every=0", "checkpoint.resume=false", "eval.every=0", "eval.batches=1", f"out_dir={out_dir}"]
 
@@ -59,7 +63,7 @@ def predicted(cfg, copies: int, device: str) -> dict:
                               copies=copies)["parts"]
     if device != "cuda":
         parts.pop("CUDA context and workspaces")
-        if cfg.parallel.shard_optimizer:
+        if cfg.parallel.shard != "none":
             parts["Gloo reduce-scatter working memory"] = plan.fusion_buffer_bytes(cfg)
     optimizer = sum(v for k, v in parts.items() if k.startswith(("optimizer state", "master weights")))
     return {"optimizer_bytes": optimizer, "peak_bytes": sum(parts.values())}
@@ -87,18 +91,20 @@ def run_memory_bench(args) -> int:
     overrides = [*DEFAULT_OVERRIDES, *overrides] if config is None else ["data.source=synthetic", *overrides]
     config = config or DEFAULT_RECIPE
     copies = sorted(set(parse_ints(args.copies, "--copies")))
+    levels = args.levels.split(",")
+    if not levels or any(level not in LEVELS for level in levels):
+        raise UserError(f"--levels: expected a comma-separated list of {', '.join(LEVELS)}, got {args.levels!r}")
     if args.steps < 1 or args.threads < 1:
         raise UserError(f"--steps and --threads: expected integers >= 1, got {args.steps} and {args.threads}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-memory-") as tmp:
-        layouts = [(d, sharded) for d in copies for sharded in (False, True)]
+        layouts = [(d, level) for d in copies for level in levels]
         cfgs = {key: load_config(config, [*overrides, *run_overrides(args, key[1], Path(tmp))]) for key in layouts}
-        for d, sharded in layouts:  # every config checked above, before any run starts
-            reports = one_run(args, config, [*overrides, *run_overrides(args, sharded, Path(tmp) / f"d{d}-{sharded}")],
-                              d)
-            expected = predicted(cfgs[d, sharded], d, reports[0]["device"])
+        for d, level in layouts:  # every config checked above, before any run starts
+            reports = one_run(args, config, [*overrides, *run_overrides(args, level, Path(tmp) / f"d{d}-{level}")], d)
+            expected = predicted(cfgs[d, level], d, reports[0]["device"])
             worst = max(reports, key=lambda r: r["peak_bytes"])
-            rows.append({"copies": d, "sharded": sharded, "device": reports[0]["device"],
+            rows.append({"copies": d, "level": level, "device": reports[0]["device"],
                          "optimizer_bytes": max(r["optimizer_bytes"] for r in reports),
                          "peak_bytes": worst["peak_bytes"], "predicted": expected})
     result = {"config": config, "overrides": overrides, "steps": args.steps, "threads": args.threads, "rows": rows}
@@ -116,11 +122,11 @@ def print_result(result: dict):
     print(f"memory: {result['config']} {' '.join(result['overrides'])}\n"
           f"  per worker, the largest of the d workers; {memory}; plan: hvdtrain.tools.plan.memory_bytes for the same "
           f"config and d{'' if rows[0]['device'] == 'cuda' else CPU_PLAN}")
-    print(f"  {'d':>3} {'sharded':>8} {'optimizer state':>16} {'plan':>10} {'ratio':>6} {'peak':>12} {'plan':>12} "
+    print(f"  {'d':>3} {'shard':>9} {'optimizer state':>16} {'plan':>10} {'ratio':>6} {'peak':>12} {'plan':>12} "
           f"{'ratio':>6}")
     for r in rows:
         p = r["predicted"]
-        print(f"  {r['copies']:>3} {'yes' if r['sharded'] else 'no':>8} {r['optimizer_bytes'] / MIB:>12.1f} MiB "
+        print(f"  {r['copies']:>3} {r['level']:>9} {r['optimizer_bytes'] / MIB:>12.1f} MiB "
               f"{p['optimizer_bytes'] / MIB:>6.1f} MiB {r['optimizer_bytes'] / p['optimizer_bytes']:>6.2f} "
               f"{r['peak_bytes'] / MIB:>8.1f} MiB {p['peak_bytes'] / MIB:>8.1f} MiB "
               f"{r['peak_bytes'] / p['peak_bytes']:>6.2f}")
@@ -156,11 +162,13 @@ def run_memory_worker(args) -> int:
 
 def add_cli(kinds):
     """Register `bench memory` (and its internal worker) on the `bench` subparsers."""
-    p = kinds.add_parser("memory", help="per-worker optimizer state and peak memory, sharded and not, against the plan")
+    p = kinds.add_parser("memory", help="per-worker optimizer state and peak memory at each sharding level, against "
+                                        "the plan")
     p.add_argument("config", nargs="?", help=f"YAML recipe (default: {DEFAULT_RECIPE} with a short context and a "
                                              "small vocabulary); its data is replaced by synthetic data")
     p.add_argument("overrides", nargs="*", help="dotted overrides such as model.n_layer=6")
-    p.add_argument("--copies", default="1,2,4", help="data-parallel workers d, two runs each (default 1,2,4)")
+    p.add_argument("--copies", default="1,2,4", help="data-parallel workers d, one run per level each (default 1,2,4)")
+    p.add_argument("--levels", default=",".join(LEVELS), help=f"parallel.shard levels (default {','.join(LEVELS)})")
     p.add_argument("--steps", type=int, default=3, help="steps per run (default 3)")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per worker (default 1)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")

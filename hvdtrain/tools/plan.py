@@ -13,13 +13,15 @@ Four estimates, each plain arithmetic on the config (no torch, no GPU):
    plus the logits, Horovod's fusion buffer and a fixed CUDA overhead. All terms are added as
    if they peaked together, so the total is an upper bound: gradients actually fill up while
    activations are freed during backward.
-   With a sharded optimizer (parallel.shard_optimizer, or --shard-optimizer; see
-   hvdtrain.parallel.sharded_optimizer) over d data-parallel copies (of each stage): fp32 and fp16
-   keep fp32 weights 4 + gradients 4 + moments 8/d (8 + 8/d); bf16 computes in bf16 weights
+   With sharding (parallel.shard, or --shard LEVEL; see hvdtrain.parallel.sharded_optimizer)
+   over d data-parallel copies (of each stage), `weight_state_bytes`' table: "optimizer" keeps
+   fp32 weights 4 + gradients 4 + moments 8/d (8 + 8/d); bf16 computes in bf16 weights
    2 + fp32 gradients 4 + fp32 master slices 4/d + moments 8/d (6 + 12/d), no autocast copies
    (the weights are 16-bit already); the reduced gradient slices take the freed full gradients'
    place, and live beside them only while their reduce-scatters are in flight (at most one
-   fusion buffer's worth, divided by d).
+   fusion buffer's worth, divided by d). "gradients" keeps only fp32 gradient slices 4/d
+   (4 + 12/d, bf16 2 + 16/d) plus the full gradients in flight (a fusion buffer); "full" the
+   master slices too (16/d) plus the units whole at a time (largest_unit_params).
 2. Step time on N GPUs from a measured 1-worker step time and a ring-allreduce model
    (`ring_allreduce_seconds`) overlapped with backward (`exposed_comm_seconds`).
 3. The micro batch and accumulation that keep a target global batch on N GPUs, or, when the
@@ -132,8 +134,30 @@ def activation_bytes(cfg, micro_batch: int, checkpointing: bool, sdpa: bool = Tr
     return cfg.model.n_layer * one_layer
 
 
+# The logits hvdtrain.models.common's chunked loss computes at a time (its LOSS_CHUNK_ELEMENTS;
+# tests/test_plan.py keeps the two equal: this module imports no torch).
+LOSS_CHUNK_ELEMENTS = 2 ** 26
+
+
+def loss_chunk_bytes(cfg, micro_batch: int) -> int:
+    """What the chunked loss of the whole model (models.common.token_loss_sum; evaluation's
+    evaluation_sums holds less) allocates beyond the weights and their gradients: one chunk of
+    min(positions, LOSS_CHUNK_ELEMENTS / vocabulary) positions' logits in the activation
+    precision and their fp32 log-softmax (turned into the logits' gradient in place), under
+    autocast also the fp32 copy of the 16-bit logits it is computed from; the fp32 gradient of
+    the head's weight accumulated over the chunks and one chunk's product added to it
+    (2 x vocabulary x d_model x 4 B); the gradient of its inputs, kept for backward."""
+    elem = _activation_elem(cfg)
+    positions = int(micro_batch * cfg.data.seq_len * head_fraction(cfg))
+    rows = min(positions, max(1, LOSS_CHUNK_ELEMENTS // cfg.data.vocab_size))
+    chunk = rows * cfg.data.vocab_size * (elem + 4 + (4 if elem < 4 else 0))
+    return chunk + 2 * cfg.data.vocab_size * cfg.model.d_model * 4 + positions * cfg.model.d_model * elem
+
+
 def logits_bytes(cfg, micro_batch: int) -> int:
-    """The logits and the loss around them, at their peak when backward starts, per position
+    """A pipeline's last stage (parallel.pipeline.TokenLoss computes whole logits; the whole
+    model's loss is chunked: loss_chunk_bytes): the logits and the loss around them, at their
+    peak when backward starts, per position
     that reaches the vocabulary (all for GPT-2, the masked ones for BERT: head_fraction) and per
     vocabulary entry: the logits in the activation precision (the training loop still holds
     them), the fp32 log-softmax that cross-entropy keeps for backward (4 B; the loop upcasts the
@@ -145,31 +169,63 @@ def logits_bytes(cfg, micro_batch: int) -> int:
 
 def weight_state_bytes(cfg, n_params: int, matmul_params: float, copies: int = 1) -> dict:
     """Bytes by component of the weights, gradients and optimizer state of `n_params`
-    parameters (`matmul_params` of them in matmuls), as the module's notes count them: the
-    optimizer sharded over `copies` data-parallel copies with parallel.shard_optimizer."""
-    opt = cfg.train.optimizer
-    # The slices of the reductions in flight, beside the full gradients not yet freed (with fusion
-    # off, the reduce-scatters after backward still go in buckets of Horovod's default size).
-    in_flight = fusion_buffer_bytes(cfg) or HOROVOD_FUSION_DEFAULT_MIB * MIB
-    sliced = {f"reduce-scatter outputs in flight (1/{copies} of a fusion buffer)": min(in_flight, 4 * n_params) // copies}
-    if cfg.parallel.shard_optimizer and cfg.train.precision == "bf16":
-        return {"parameters (bf16)": 2 * n_params, "gradients (fp32)": 4 * n_params, **sliced,
-                f"master weights (fp32, sharded 1/{copies})": 4 * n_params // copies,
-                f"optimizer state ({opt}, sharded 1/{copies})": 8 * n_params // copies}
-    parts = {"parameters (fp32)": 4 * n_params, "gradients (fp32)": 4 * n_params}
-    if cfg.parallel.shard_optimizer:
-        parts.update(sliced)
-        parts[f"optimizer state ({opt}, sharded 1/{copies})"] = 8 * n_params // copies
+    parameters (`matmul_params` of them in matmuls), as the module's notes count them, at
+    parallel.shard's level over `copies` data-parallel copies (hvdtrain.parallel.sharded_optimizer):
+
+        level       fp32 / fp16 (fp32 weights)      bf16 (bf16 weights, fp32 master slices)
+        none        16 (+ autocast copies)           16 + autocast copies
+        optimizer   8 + 8/d                          6 + 12/d
+        gradients   4 + 12/d                         2 + 16/d
+        full        16/d + the units in flight       16/d + the units in flight
+    """
+    opt, level, bf16 = cfg.train.optimizer, cfg.parallel.shard, cfg.train.precision == "bf16"
+    if level == "none":
+        parts = {"parameters (fp32)": 4 * n_params, "gradients (fp32)": 4 * n_params,
+                 f"optimizer state ({opt}, 2 fp32 moments)": 8 * n_params}
+        if cfg.train.precision != "fp32":
+            # Autocast casts each matmul weight once per forward; the 16-bit copy stays referenced by
+            # the autograd graph until backward. Those weights are the 6N parameters (flops_params).
+            parts["autocast 16-bit weight copies"] = 2 * int(matmul_params)
+        if cfg.horovod.compression == "fp16":
+            # Horovod allreduces an fp16 copy of each gradient, made when the gradient is ready.
+            parts["fp16-compressed gradients"] = 2 * n_params
+        return parts
+    # The full gradients of the reductions in flight beside their slices (with fusion off, the
+    # reduce-scatters after backward still go in buckets of Horovod's default size).
+    in_flight = min(fusion_buffer_bytes(cfg) or HOROVOD_FUSION_DEFAULT_MIB * MIB, 4 * n_params)
+    sharded = f"sharded 1/{copies}"
+    parts = {}
+    if level == "full":
+        # The units whole at a time (sharded_weights): the one running, the next arriving and the
+        # one before until it is freed, and the arriving one's allgather output, all in the
+        # weights' dtype; the full fp32 gradients of one unit until their reduce-scatters are done.
+        unit = min(largest_unit_params(cfg), n_params)
+        parts["units in flight (full)"] = unit * (4 * (2 if bf16 else 4) + 4)
+        parts[f"master weights (fp32, {sharded})"] = 4 * n_params // copies
+    elif bf16:
+        parts["parameters (bf16)"] = 2 * n_params
+        parts[f"master weights (fp32, {sharded})"] = 4 * n_params // copies
     else:
-        parts[f"optimizer state ({opt}, 2 fp32 moments)"] = 8 * n_params
-    if cfg.train.precision != "fp32":
-        # Autocast casts each matmul weight once per forward; the 16-bit copy stays referenced by
-        # the autograd graph until backward. Those weights are the 6N parameters (flops_params).
+        parts["parameters (fp32)"] = 4 * n_params  # the master slices are views into them
+    if level == "optimizer":  # the step's gradients whole (bf16: summed in fp32), then their slices
+        parts["gradients (fp32)"] = 4 * n_params
+        parts[f"reduce-scatter outputs in flight (1/{copies} of a fusion buffer)"] = in_flight // copies
+    else:  # every micro batch's gradients reduce-scattered into slices that accumulate
+        parts[f"gradient slices (fp32, {sharded})"] = 4 * n_params // copies
+        parts["full gradients in flight (a fusion buffer)"] = in_flight
+    parts[f"optimizer state ({opt}, {sharded})"] = 8 * n_params // copies
+    if cfg.train.precision == "fp16" and level != "full":
         parts["autocast 16-bit weight copies"] = 2 * int(matmul_params)
-    if cfg.horovod.compression == "fp16":
-        # Horovod allreduces an fp16 copy of each gradient, made when the gradient is ready.
-        parts["fp16-compressed gradients"] = 2 * n_params
     return parts
+
+
+def largest_unit_params(cfg) -> int:
+    """Parameters of parallel.shard=full's largest unit (hvdtrain.parallel.sharded_weights.units_of):
+    a transformer layer, the embeddings, or the head with its output matrix (tied or not)."""
+    dims = model_dims(cfg)
+    parts = family(dims["arch"]).parameter_counts(dims["d_model"], dims["d_ff"], dims["vocab_size"],
+                                                  dims["max_position"], dims["kv_width"])
+    return max(parts.layer, parts.embeddings, parts.head + dims["vocab_size"] * dims["d_model"])
 
 
 def memory_bytes(cfg, micro_batch: int, checkpointing: bool, sdpa: bool = True, copies: int = 1) -> dict:
@@ -179,7 +235,7 @@ def memory_bytes(cfg, micro_batch: int, checkpointing: bool, sdpa: bool = True, 
     parts = weight_state_bytes(cfg, count_params(**dims), flops_params(**dims), copies)
     parts.update({
         "activations": activation_bytes(cfg, micro_batch, checkpointing, sdpa),
-        "logits and loss": logits_bytes(cfg, micro_batch),
+        "logits and loss": loss_chunk_bytes(cfg, micro_batch),
         "Horovod fusion buffer": fusion_buffer_bytes(cfg),
         "CUDA context and workspaces": CUDA_OVERHEAD_BYTES,
     })
@@ -227,13 +283,32 @@ def exposed_comm_seconds(comm_s: float, tail_s: float, micro_compute_s: float) -
     return max(comm_s - BACKWARD_FRACTION * micro_compute_s, tail_s)
 
 
-def sharded_exposed(cfg, comm_s: float, tail_s: float, micro_compute_s: float) -> float:
-    """exposed_comm_seconds, with a sharded optimizer: its reduce-scatter (half of the ring's
-    bytes) overlaps the backward as the allreduce would, its allgather (the other half) runs
-    after the step, in full view."""
-    if not cfg.parallel.shard_optimizer:
+def sharded_exposed(cfg, comm_s: float, tail_s: float, micro_compute_s: float, passes: int = 1) -> float:
+    """exposed_comm_seconds, with sharding, for a step of `passes` forward and backward passes
+    (micro batches). `comm_s` is the fp32 allreduce's time: its reduce-scatter is one half
+    (fp32), its allgather the other, in the weights' dtype (gather_seconds).
+
+        optimizer   the reduce-scatter in the last pass's backward, hidden as the allreduce
+                    would be; the allgather after the step, in full view
+        gradients   a reduce-scatter in every pass's backward; the allgather after the step
+        full        every pass reduce-scatters and gathers each unit twice, before its forward
+                    and its backward (prefetched a unit ahead: hidden behind the pass while it
+                    lasts); nothing after the step"""
+    level = cfg.parallel.shard
+    if level == "none":
         return exposed_comm_seconds(comm_s, tail_s, micro_compute_s)
-    return exposed_comm_seconds(comm_s / 2, tail_s / 2, micro_compute_s) + comm_s / 2
+    reduce_s, gather_s = comm_s / 2, gather_seconds(cfg, comm_s)
+    if level == "optimizer":
+        return exposed_comm_seconds(reduce_s, tail_s / 2, micro_compute_s) + gather_s
+    if level == "gradients":
+        return passes * exposed_comm_seconds(reduce_s, tail_s / 2, micro_compute_s) + gather_s
+    return passes * max(reduce_s + 2 * gather_s - micro_compute_s, tail_s / 2)
+
+
+def gather_seconds(cfg, comm_s: float) -> float:
+    """The allgather of the weights: half the ring of an fp32 allreduce taking `comm_s`, in the
+    weights' dtype (sharded_optimizer.on_the_wire: bf16 moves half of fp32's bytes)."""
+    return comm_s / 2 * (0.5 if cfg.train.precision == "bf16" else 1.0)
 
 
 def read_step_time(run_dir: str) -> float:
@@ -274,11 +349,12 @@ def step_comm(cfg, workers: int, net_gbps: float, latency_s: float) -> dict:
             "tail_seconds": ring_allreduce_seconds(tail_bytes, workers, net_gbps, latency_s)}
 
 
-def predict_step(comm: dict, micro_compute_s: float, grad_accum: int) -> dict:
+def predict_step(cfg, comm: dict, micro_compute_s: float, grad_accum: int) -> dict:
     """Seconds of one optimizer step: `grad_accum` micro batches of compute plus the allreduce
-    time that backward does not hide; efficiency = compute / step (1.0 without communication,
-    and for a fixed per-worker batch equal to step(1) / step(N))."""
-    exposed = exposed_comm_seconds(comm["seconds"], comm["tail_seconds"], micro_compute_s)
+    time (or the sharding level's collectives: sharded_exposed) that backward does not hide;
+    efficiency = compute / step (1.0 without communication, and for a fixed per-worker batch
+    equal to step(1) / step(N))."""
+    exposed = sharded_exposed(cfg, comm["seconds"], comm["tail_seconds"], micro_compute_s, grad_accum)
     compute = micro_compute_s * grad_accum
     return {"comm_s": comm["seconds"], "exposed_s": exposed, "compute_s": compute,
             "step_s": compute + exposed, "efficiency": compute / (compute + exposed)}
@@ -317,6 +393,13 @@ def in_flight(schedule: str, stages: int, stages_per_rank: int, microbatches: in
     return min(microbatches, stages - rank)
 
 
+def _boundary_elem(cfg) -> int:
+    """Bytes of a value crossing between stages: the residual stream, fp32 under autocast with
+    fp32 weights (a 16-bit sublayer output added to it promotes to fp32), bf16 when the weights
+    themselves are bf16 (a sharded optimizer in bf16). Measured on GPT-2 and Llama layers."""
+    return 2 if cfg.parallel.shard != "none" and cfg.train.precision == "bf16" else RESIDUAL_BYTES
+
+
 def stage_memory(cfg, microbatches: int, micro_batch: int, checkpointing: bool, sdpa: bool = True,
                  copies: int = 1) -> list[dict]:
     """Bytes on each rank of a pipeline of cfg.parallel.pipeline_stages = p ranks running
@@ -332,10 +415,12 @@ def stage_memory(cfg, microbatches: int, micro_batch: int, checkpointing: bool, 
       activation_bytes counts them (with checkpointing: each layer's fp32 input, plus one
       layer's activations during its recompute), plus the stage's output, which the schedule
       keeps for the backward (not on the last stage); a stage's input is its receive buffer;
-    * pipeline receive buffers: torch's PipelineStage allocates, for each of the m micro
-      batches, a buffer for the activation it receives (all stages but the first) and one for
-      the gradient it receives (all but the last), each s·b·d fp32 values, for the whole run;
-    * on the last stage the logits and loss of one micro batch (logits_bytes), and with gpipe
+    * pipeline receive buffers (pipeline.InFlightStage):
+      the received activations of the micro batches in flight (all stages but the first; they
+      are the inputs kept for the backward) and one received gradient at a time (all but the
+      last), each s·b·d values of the residual stream (fp32; bf16 when the weights are bf16);
+    * on the last stage the logits and loss of one micro batch (logits_bytes; one stage:
+      loss_chunk_bytes), and with gpipe
       the fp32 log-softmax that each of the other m-1 micro batches' losses keeps until its
       backward (the model's cross-entropy runs on fp32 logits);
     * Horovod's fusion buffer and the CUDA overhead, on every rank.
@@ -352,7 +437,7 @@ def stage_memory(cfg, microbatches: int, micro_batch: int, checkpointing: bool, 
     n = p * v
     s, b, d = cfg.data.seq_len, micro_batch, cfg.model.d_model
     sbh = s * b * d
-    boundary = RESIDUAL_BYTES * sbh  # one micro batch's activation (or gradient) between stages
+    boundary = _boundary_elem(cfg) * sbh  # one micro batch's activation (or gradient) between stages
     one_layer = layer_activation_bytes(s, b, d, cfg.model.n_head, _activation_elem(cfg), sdpa)
     kept_per_layer = RESIDUAL_BYTES * sbh if checkpointing else one_layer
     logits_positions = b * s * head_fraction(cfg)
@@ -378,10 +463,17 @@ def stage_memory(cfg, microbatches: int, micro_batch: int, checkpointing: bool, 
             activations += one_layer
         parts["activations"] = activations
         if p > 1:
-            parts["pipeline receive buffers"] = sum(((g > 0) + (g < n - 1)) * microbatches * boundary for g in ids)
+            # pipeline.InFlightStage: a received activation is the kept input of a micro batch in
+            # flight (k of them, on every stage but the first); a received gradient lives for one
+            # backward (every stage but the last).
+            received = (k if any(g > 0 for g in ids) else 0) + sum(g < n - 1 for g in ids)
+            parts["pipeline receive buffers"] = received * boundary
         if n - 1 in ids:
             waiting = (microbatches - 1) if par.schedule.lower() == "gpipe" and p > 1 else 0
-            parts["logits and loss"] = logits_bytes(cfg, b) + int(waiting * logits_positions * cfg.data.vocab_size * 4)
+            # One stage is the whole model, whose loss is chunked (PlainStep); a pipeline's last
+            # stage computes its micro batch's whole logits (TokenLoss).
+            loss = logits_bytes(cfg, b) if p > 1 else loss_chunk_bytes(cfg, b)
+            parts["logits and loss"] = loss + int(waiting * logits_positions * cfg.data.vocab_size * 4)
         parts["Horovod fusion buffer"] = fusion_buffer_bytes(cfg)
         parts["CUDA context and workspaces"] = CUDA_OVERHEAD_BYTES
         layers = sum(c["layers"] for c in mine)
@@ -459,7 +551,8 @@ def pipeline_plan(cfg, stages: int, gpus: int, budget: float, net_gbps: float, l
     compute = batches["runs"] * (v * m + stages - 1) * slot / v
     if stages == 1:
         comm = step_comm(c, gpus, net_gbps, latency_s)
-        exposed, tied = sharded_exposed(cfg, comm["seconds"], comm["tail_seconds"], slot), 0.0
+        exposed = sharded_exposed(cfg, comm["seconds"], comm["tail_seconds"], slot, batches["grad_accum"])
+        tied = 0.0
         comm_s, mode = comm["seconds"], "during"
     else:
         mode = cfg.parallel.reduce_gradients or "after"
@@ -471,7 +564,13 @@ def pipeline_plan(cfg, stages: int, gpus: int, budget: float, net_gbps: float, l
             n_allreduces = (math.ceil(nbytes / fusion) if fusion > 0
                             else tensors * sum(e - b for b, e in r["layers"]) + 4)
             comm_s = max(comm_s, ring_allreduce_seconds(nbytes, batches["copies"], net_gbps, latency_s, n_allreduces))
-        exposed = comm_s if mode == "after" else sharded_exposed(cfg, comm_s, 0.0, slot)
+        passes = batches["grad_accum"]
+        if mode == "during":
+            exposed = sharded_exposed(cfg, comm_s, 0.0, slot, passes)
+        elif c.parallel.shard == "full":  # reduced after the run; the units gathered for every pass
+            exposed = comm_s / 2 + passes * max(2 * gather_seconds(cfg, comm_s) - slot, 0.0)
+        else:
+            exposed = comm_s
         tied = (ring_allreduce_seconds(4 * cfg.data.vocab_size * cfg.model.d_model, 2, net_gbps, latency_s)
                 if model_dims(cfg)["tied_embeddings"] else 0.0)  # untied (Llama 3 8B): nothing to sum
     step = compute + exposed + tied
@@ -555,7 +654,7 @@ def plan(cfg, gpus: int, gpu: str = "H100", net_gbps: float = 100.0, step_time: 
         accum_1 = resolve_batch(flat, 1)[0]  # the measured run's accumulation
         rows = []
         for n in sorted({2 ** k for k in range(gpus.bit_length())} | {gpus}):
-            row = predict_step(step_comm(cfg, n, net_gbps, latency_us * 1e-6), step_time / accum_1, accum_1)
+            row = predict_step(cfg, step_comm(cfg, n, net_gbps, latency_us * 1e-6), step_time / accum_1, accum_1)
             rows.append(with_throughput({"gpus": n, **row}, n, micro * accum_1))
         scaling = {"step_time_1": step_time, "micro_batch": micro, "grad_accum": accum_1, "rows": rows}
 
@@ -579,7 +678,7 @@ def plan(cfg, gpus: int, gpu: str = "H100", net_gbps: float = 100.0, step_time: 
                 per_sample_s = step_time / (micro * accum_1)
                 if ckpt != cfg.model.activation_checkpointing:
                     per_sample_s *= RECOMPUTE_FACTOR if ckpt else 1 / RECOMPUTE_FACTOR
-                target.update(with_throughput(predict_step(comm, per_sample_s * m, per_gpu // m), gpus, per_gpu))
+                target.update(with_throughput(predict_step(cfg, comm, per_sample_s * m, per_gpu // m), gpus, per_gpu))
 
     pipeline = None
     if stages > 1:
@@ -883,8 +982,9 @@ def add_cli(subparsers):
     p.add_argument("--pp", type=int, metavar="P",
                    help="pipeline stages: memory of every stage, bubble and step time with P stages, compared with "
                         "the other stage counts (default parallel.pipeline_stages when above 1)")
-    p.add_argument("--shard-optimizer", action="store_true",
-                   help="count the optimizer state sharded over the data-parallel copies (parallel.shard_optimizer)")
+    p.add_argument("--shard", choices=("none", "optimizer", "gradients", "full"),
+                   help="count the state sharded over the data-parallel copies at this level (parallel.shard)")
+    p.add_argument("--shard-optimizer", action="store_true", help="the same as --shard optimizer")
     p.add_argument("--mfu", type=float, default=DEFAULT_MFU, metavar="F",
                    help=f"model FLOPs utilisation assumed for the pipeline's compute when no step time is given "
                         f"(default {DEFAULT_MFU:g})")
@@ -892,7 +992,8 @@ def add_cli(subparsers):
 
 
 def run_plan(args) -> int:
-    cfg = load_config(args.config, args.overrides + (["parallel.shard_optimizer=true"] if args.shard_optimizer else []))
+    level = args.shard or ("optimizer" if args.shard_optimizer else None)
+    cfg = load_config(args.config, args.overrides + ([f"parallel.shard={level}"] if level else []))
     step_time = read_step_time(args.measured) if args.measured else args.step_time
     result = plan(cfg, args.gpus, gpu=args.gpu, net_gbps=args.net_gbps, step_time=step_time,
                   target_global_batch=args.target_global_batch, latency_us=args.latency_us,

@@ -9,9 +9,10 @@
                     (during the schedule's backward, or after it), the tied embedding is summed
                     between the first and last stage, and one gradient norm is taken over all
                     stages
-    ShardedStep     parallel.shard_optimizer, around either of them: their forward/backward and
-                    evaluation; the reduction (reduce-scatter), normalisation, clip, non-finite
-                    agreement and step are the hvdtrain.parallel.sharded_optimizer's, on this copy's slices
+    ShardedStep     parallel.shard (optimizer, gradients, full), around either of them: their
+                    forward/backward and evaluation; the reduction (reduce-scatter), normalisation,
+                    clip, non-finite agreement and step are the hvdtrain.parallel.sharded_optimizer's,
+                    on this copy's slices
 
 All three answer the same calls, which the loop (hvdtrain.training.train.run_steps) makes in this order:
 
@@ -31,8 +32,10 @@ from contextlib import nullcontext
 import torch
 
 from hvdtrain.parallel import distributed, pipeline
+from hvdtrain.parallel.distributed import hvd
+from hvdtrain.parallel.sharded_weights import ShardedWeights
 from hvdtrain.config import Config
-from hvdtrain.models.common import IGNORE_INDEX, logits_and_labels, token_loss_sum
+from hvdtrain.models.common import IGNORE_INDEX, evaluation_sums, token_loss_sum
 
 
 def autocast_for(device: torch.device, precision: str):
@@ -112,17 +115,17 @@ class PlainStep:
 
     @torch.no_grad()
     def evaluate(self, loader) -> dict:
-        """Loss and masked-token accuracy (for BERT) on each rank's fixed validation slice, over all ranks."""
+        """Loss and next/masked-token accuracy on each rank's fixed validation slice, over all
+        ranks; in chunks of positions (evaluation_sums), never a micro batch's whole logits."""
         self.model.eval()
         loss = correct = targets = 0.0
         for batch in loader:
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items() if torch.is_tensor(v)}
             with self.autocast:
-                logits, labels = logits_and_labels(self.model, batch)
-            picked = labels != IGNORE_INDEX
-            loss += torch.nn.functional.cross_entropy(logits[picked].float(), labels[picked], reduction="sum").item()
-            correct += (logits[picked].argmax(-1) == labels[picked]).sum().item()
-            targets += picked.sum().item()
+                batch_loss, batch_correct, batch_targets = evaluation_sums(self.model, batch)
+            loss += batch_loss.item()
+            correct += batch_correct.item()
+            targets += batch_targets
         self.model.train()
         return evaluation_result(loss, correct, targets, accuracy=True)
 
@@ -248,23 +251,37 @@ class PipelinedStep(PlainStep):
 
 
 class ShardedStep(PlainStep):
-    """parallel.shard_optimizer: `layout_step` (a PlainStep or PipelinedStep, over a
+    """parallel.shard: `layout_step` (a PlainStep or PipelinedStep, over a
     sharded_optimizer.ShardedOptimizer) runs the micro batches and evaluates; the gradients are
     the optimizer's: reduce-scattered from its hooks in backward (or after a pipeline's run) into
     this copy's slices, which are normalised, clipped to the global norm and stepped here, the
-    weights allgathered in its step. The order of the step (PlainStep.optimizer_step) is the same."""
+    weights allgathered in its step (with "full", unit by unit before each use:
+    hvdtrain.parallel.sharded_weights). The order of the step (PlainStep.optimizer_step) is the same."""
 
-    def __init__(self, layout_step: PlainStep, groups: pipeline.Groups | None = None):
+    def __init__(self, layout_step: PlainStep, groups: pipeline.Groups | None = None,
+                 micro_batch_shape: tuple[int, int] = (1, 1)):
         s = layout_step
+        self.micro_batch_shape = micro_batch_shape  # (samples, tokens) of a validation batch
         super().__init__(s.model, s.optimizer, s.scaler, s.normalizer, s.autocast, s.device)
         self.layout_step, self.groups = layout_step, groups
         self.stages, self.copies_per_stage = s.stages, s.copies_per_stage
+        # "full": from here on the weights are the master slices, gathered unit by unit when used
+        self.weights = ShardedWeights(s.model, s.optimizer) if s.optimizer.level == "full" else None
 
     def forward_backward(self, micro_batches, timer):
-        return self.layout_step.forward_backward(micro_batches, timer)
+        if not self.optimizer.reduces_each_run:
+            return self.layout_step.forward_backward(micro_batches, timer)
+        # ZeRO-2/3 with a pipeline reducing after its runs: each run's gradients reduce-scattered
+        # after it, so that no full gradient outlives a run of the schedule
+        loss_sum, m = 0.0, self.layout_step.pipe.n_microbatches
+        for i in range(0, len(micro_batches), m):
+            loss_sum = loss_sum + self.layout_step.forward_backward(micro_batches[i:i + m], timer)
+            self.optimizer.reduce_run()  # Horovod: grouped reduce-scatter of the run's gradients
+        return loss_sum
 
     def reduce_gradients(self):
         """This copy's slices of the reduced gradients, then (with stages) the tied embedding's two ends."""
+        self.free_weights()  # "full": the step changes the masters; the units are gathered anew
         self.optimizer.reduce_gradients()  # Horovod: wait for (or start) the reduce-scatter of gradients
         if self.groups is not None:
             self.optimizer.allreduce_tied(self.groups)  # torch.distributed: allreduce, first + last stage
@@ -288,20 +305,44 @@ class ShardedStep(PlainStep):
         self.optimizer.zero_grad()
 
     def evaluate(self, loader):
-        return self.layout_step.evaluate(loader)
+        if self.weights is None:
+            return self.layout_step.evaluate(loader)
+        result = self.layout_step.evaluate(self.even_batches(loader))
+        self.free_weights()
+        return result
+
+    def even_batches(self, loader) -> list[dict]:
+        """"full": every copy gathers each unit for each forward, so all run as many: a copy
+        with fewer validation batches (batches r, r+d, ...) adds batches that predict nothing."""
+        batches = list(loader)
+        # Horovod: allreduce (max) of the copies' batch counts
+        most = int(hvd.allreduce(torch.tensor([len(batches)]), name="shard.eval_batches", op=hvd.Max,
+                                 process_set=self.optimizer.process_set)[0])
+        if len(batches) < most:
+            ids = torch.zeros(self.micro_batch_shape, dtype=torch.long)
+            batches += [{"input_ids": ids, "labels": torch.full_like(ids, IGNORE_INDEX)}] * (most - len(batches))
+        return batches
+
+    def free_weights(self):
+        """"full": give back the units still gathered (Horovod: waits for prefetches no one used)."""
+        if self.weights is not None:
+            self.weights.free_all()
 
     def describe(self):
         return {**self.layout_step.describe(),
-                "optimizer": f"sharded over {self.optimizer.size} copies (reduce-scatter, allgather)"}
+                "optimizer": f"sharded ({self.optimizer.level}) over {self.optimizer.size} copies "
+                             "(reduce-scatter, allgather)"}
 
     def close(self):
+        if self.weights is not None:
+            self.weights.close()
         self.layout_step.close()
 
 
 def build_engine(cfg: Config, device, model, optimizer, scaler, grad_accum: int, shards: int, layout=None,
                  groups=None, reduce_after: bool = False, stand_in: bool = False) -> PlainStep:
     """The step engine of this run: pipelined when `layout` is given (then `groups` too), and
-    sharded around it with parallel.shard_optimizer (`optimizer` then a ShardedOptimizer).
+    sharded around it with parallel.shard (`optimizer` then a ShardedOptimizer).
     `stand_in`: one worker standing in for the two of an elastic job (StandInStep)."""
     t = cfg.train
     normalizer = distributed.TokenNormalizer(cfg.horovod.op, shards, t.micro_batch_size * grad_accum * cfg.data.seq_len)
@@ -314,4 +355,6 @@ def build_engine(cfg: Config, device, model, optimizer, scaler, grad_accum: int,
                                        cfg.parallel.microbatches or grad_accum, 1.0, device)
         engine = PipelinedStep(model, optimizer, scaler, normalizer, autocast, device, layout, groups, pipe,
                                reduce_after, cfg)
-    return ShardedStep(engine, groups) if cfg.parallel.shard_optimizer else engine
+    if cfg.parallel.shard == "none":
+        return engine
+    return ShardedStep(engine, groups, (t.micro_batch_size, cfg.data.seq_len))

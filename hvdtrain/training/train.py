@@ -14,7 +14,7 @@ parallel.pipeline_stages = p > 1 the pipelined step, where each worker holds one
 model (hvdtrain.parallel.pipeline), the micro batches go through torch's pipeline schedule, Horovod
 reduces gradients among the copies of the stage only, the tied embedding is summed between
 first and last stage and the gradient norm is taken over all stages; and with
-parallel.shard_optimizer the sharded step around either of them (hvdtrain.parallel.sharded_optimizer):
+parallel.shard the sharded step around either of them (hvdtrain.parallel.sharded_optimizer):
 gradients reduce-scattered, this copy's slices clipped and stepped, the weights allgathered.
 The loop below is the same code for all of them.
 """
@@ -35,9 +35,9 @@ from hvdtrain.observe import metrics
 from hvdtrain.config import Config, last_step_of_run, resolve_batch
 from hvdtrain.data import DataBundle, build_data
 from hvdtrain.errors import UserError
-from hvdtrain.checkpointing.export import load_checkpoint_model, save_hf
+from hvdtrain.checkpointing.export import export_checkpoint
 from hvdtrain.optim.lr_schedule import lr_multiplier
-from hvdtrain.models.common import apply_speedups, model_blueprint
+from hvdtrain.models.common import apply_speedups, keep_generation_config, model_blueprint
 from hvdtrain.models.ties import tie_aliases
 from hvdtrain.optim.optimizers import build_optimizer
 from hvdtrain.paths import check_writable_folder
@@ -46,6 +46,7 @@ from hvdtrain.training.run_guards import (PREEMPTED_EXIT_CODE, NonFiniteGuard, P
                                   StallWatchdog, mark_preempted)
 from hvdtrain.training.periodic import Checkpointer, Commits, Evaluator, StepLog
 from hvdtrain.observe.run_log import RunLog
+from hvdtrain.observe.trackers import Trackers
 from hvdtrain.data.sampler import EvalSampler, StreamSampler, share
 from hvdtrain.parallel.sharded_optimizer import ShardedOptimizer
 from hvdtrain.training.step_engine import PlainStep, build_engine
@@ -115,9 +116,13 @@ def open_run_folder(cfg: Config, world, data: DataBundle, model, state: Training
         return None
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(dict(cfg.to_dict(), resolved=resolved), sort_keys=False))
+    config = dict(cfg.to_dict(), resolved=resolved)
+    trackers = Trackers(cfg, cfg.out_dir, state.step, config)  # a tracker that cannot start: UserError, first
+    (out / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     if data.tokenizer is not None:
         data.tokenizer.save_pretrained(out / "tokenizer")
+    if cfg.model.pretrained:
+        keep_generation_config(cfg.model, out / "tokenizer")
     n_params = sum(p.numel() for p in model.parameters())
     stages = cfg.parallel.pipeline_stages
     world.print(f"hvdtrain: {cfg.model.arch} {n_params / 1e6:.2f}M parameters"
@@ -125,7 +130,7 @@ def open_run_folder(cfg: Config, world, data: DataBundle, model, state: Training
                 + f" | {resolved['batch']} = global batch {resolved['global_batch']} x {cfg.data.seq_len} tokens"
                 f" | peak lr {resolved['peak_lr']:.3g}"
                 + (f" | resuming at step {state.step} from {resumed_from}" if resumed_from else ""))
-    return RunLog(cfg.out_dir, state.step, cfg.train.max_steps, cfg.log.progress, cfg.log.tensorboard)
+    return RunLog(cfg.out_dir, state.step, cfg.train.max_steps, cfg.log.progress, cfg.log.tensorboard, trackers)
 
 
 @dataclass
@@ -151,7 +156,7 @@ class Setup:
 def build_model_and_optimizer(cfg: Config, data: DataBundle, device, grad_accum: int, shards: int,
                               layout=None, groups=None, shard: int = 0):
     """The model (or this worker's stage of it), its optimizer (Horovod's, unless the pipeline
-    reduces after its run; sharded over the `shards` copies with parallel.shard_optimizer, this
+    reduces after its run; sharded over the `shards` copies with parallel.shard, this
     being copy `shard`) and grad scaler; the same seed on every rank. Returns them with the
     whole model's tied parameter names and whether gradients are reduced after the pipeline."""
     t, par = cfg.train, cfg.parallel
@@ -172,12 +177,13 @@ def build_model_and_optimizer(cfg: Config, data: DataBundle, device, grad_accum:
     # pipeline's step where NCCL would otherwise run two communicators at once.
     reduce_after = layout is not None and (par.reduce_gradients or
                                            ("after" if device.type == "cuda" else "during")) == "after"
-    if par.shard_optimizer:
+    if par.shard != "none":
         tied_copy = layout is not None and layout.is_last and not layout.is_first  # not counted in the norm twice
         optimizer = ShardedOptimizer(model, t, peak_lr, device, cfg.horovod, grad_accum, shard, shards,
                                      groups.process_set if groups else None, reduce_during=not reduce_after,
                                      compute_dtype=torch.bfloat16 if t.precision == "bf16" else torch.float32,
-                                     not_counted=pipeline.tied_parameters(model).values() if tied_copy else ())
+                                     not_counted=pipeline.tied_parameters(model).values() if tied_copy else (),
+                                     level=par.shard)
     else:
         optimizer = build_optimizer(model, t, peak_lr, device)
         if not reduce_after:
@@ -280,11 +286,13 @@ def run_steps(cfg: Config, s: Setup, commit=None, events: list[dict] = ()) -> to
             after_step(run, state.step, lr, grad_norm, stop)
     engine.close()  # collective: only once every rank has finished the last step
 
-    if s.world.is_main:  # the whole model: with pipeline stages or shards, rebuilt from the final checkpoint's parts
-        whole = (s.model if s.layout is None and not cfg.parallel.shard_optimizer
-                 else load_checkpoint_model(checkpoint.list_checkpoints(cfg.out_dir)[-1]))
-        save_hf(whole, Path(cfg.out_dir) / "tokenizer", Path(cfg.out_dir) / "hf")
-        s.world.print(f"hvdtrain: model saved as a Hugging Face folder in {Path(cfg.out_dir) / 'hf'}")
+    if s.world.is_main:
+        # The Hugging Face folder, from the final checkpoint's parts (every layout's), one output
+        # file at a time: no more than the gradients a step held (each step ends by freeing them)
+        export_checkpoint(checkpoint.list_checkpoints(cfg.out_dir)[-1], Path(cfg.out_dir) / "tokenizer",
+                          Path(cfg.out_dir) / "hf")
+        run.log.end_trackers(Path(cfg.out_dir) / "hf")
+        s.world.print(run.log.summary(Path(cfg.out_dir) / "hf"))
     return s.model
 
 
@@ -325,6 +333,7 @@ class Run:
     evaluator: Evaluator
     checkpointer: Checkpointer
     commits: Commits
+    log: RunLog | None  # rank 0's; None elsewhere
 
 
 @contextmanager
@@ -371,7 +380,11 @@ def opened_run(cfg: Config, s: Setup, commit, events) -> Iterator[Run]:
                           s.engine.copies_per_stage),
                   Evaluator(cfg, s.engine, eval_loader, log, timer, watchdog, last_step),
                   Checkpointer(cfg, state, guard, timer, watchdog, last_step),
-                  Commits(cfg, commit, last_step))
+                  Commits(cfg, commit, last_step), log)
+    except BaseException:  # a failure, a preemption or an elastic reset (whose next entry resumes them)
+        if log is not None:
+            log.end_trackers(failed=True)
+        raise
     finally:  # also when a step fails: files closed, traces and timeline flushed, the collector back on.
         # Nothing here waits for the other ranks: after a failure on this rank they are inside a
         # step's collective and never come, and this rank must exit for its error to be shown.

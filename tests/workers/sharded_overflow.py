@@ -1,4 +1,4 @@
-"""Test worker: train as train_and_dump.py does, with parallel.shard_optimizer, and make one
+"""Test worker: train as train_and_dump.py does, with parallel.shard (any level), and make one
 value of rank 0's reduced gradient slices inf in step HVDTRAIN_TEST_INF_STEP (0-based): only
 rank 0 sees it in its own slices, so the other ranks skip that step only if they agree."""
 import os
@@ -31,5 +31,5 @@ def reduce_gradients(self):
 training.lr_multiplier, ShardedOptimizer.reduce_gradients = lr_multiplier, reduce_gradients
 cfg = load_config(sys.argv[1], sys.argv[2:])
 model = training.train(cfg)
-state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items() if v.numel()}  # full: no weights
 save_file(state, str(Path(cfg.out_dir) / f"params_rank{hvd.rank()}.safetensors"))
