@@ -24,7 +24,9 @@ from hvdtrain.tools import bench, inference, plan, report
 from hvdtrain.checkpointing import export
 from hvdtrain.data import prepare_job as prepare
 from hvdtrain.errors import UserError
-from hvdtrain.launching.launch import add_config_args, add_elastic_options, add_launch_options, run_launch
+from hvdtrain.launching.launch import (add_config_args, add_elastic_options, add_launch_options, join_output_streams,
+                                       run_launch)
+from hvdtrain.observe.progress import LAUNCHED
 
 RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
 
@@ -95,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    if LAUNCHED in os.environ:  # a worker of `hvdtrain launch`
+        join_output_streams()
     parser = build_parser()
     # Overrides may also come after options (`hvdtrain plan cfg.yaml --gpus 8 train.lr=1`).
     args, extra = parser.parse_known_args(argv)

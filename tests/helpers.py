@@ -1,6 +1,7 @@
 """What the tests share: tiny configs, real `horovodrun -np N --gloo|--mpi` and plain `mpirun`
 runs of hvdtrain, and comparisons of runs (losses step by step, parameters tensor by tensor)."""
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -197,3 +198,66 @@ def png_size(path) -> tuple[int, int]:
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", f"{path} is not a PNG"
     return struct.unpack(">II", data[16:24])
+
+
+def run_on_terminal(args: list, columns: int = 160, timeout: int = 300, env: dict | None = None) -> tuple[int, str, list[str]]:
+    """run_cmd's command on a pseudo-terminal `columns` wide, as a user runs it: (exit code, what
+    it wrote, the screen's lines once it has ended: redraws in place and cleared lines applied)."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    proc = subprocess.Popen([str(a) for a in args], stdin=slave, stdout=slave, stderr=slave, cwd=REPO,
+                            env=dict(os.environ, **OFFLINE, **SHARED_CORES, COLUMNS=str(columns), **(env or {})))
+    os.close(slave)
+    raw, deadline = b"", time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if select.select([master], [], [], 1)[0]:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # EIO: every writer of the terminal has closed it
+                    break
+                if not chunk:
+                    break
+                raw += chunk
+        else:
+            proc.kill()
+        code = proc.wait(timeout=30)
+    finally:
+        os.close(master)
+    text = raw.decode(errors="replace")
+    return code, text, terminal_screen(text, columns)
+
+
+def terminal_screen(text: str, columns: int) -> list[str]:
+    """The lines a terminal shows for `text`: carriage returns, line feeds, wrapping at `columns`,
+    and the cursor-up and erase-line sequences that tqdm writes."""
+    screen, row, col = [[]], 0, 0
+    for token in re.findall(r"\x1b\[(\d*)([A-Za-z])|(.)", text, flags=re.S):
+        count, command, char = token
+        if command == "A":
+            row = max(0, row - int(count or 1))
+        elif command == "K":
+            del screen[row][col:]
+        elif command:
+            continue  # colours and the like: nothing on the screen moves
+        elif char == "\r":
+            col = 0
+        elif char == "\n":
+            row += 1
+        elif char >= " ":
+            if col == columns:
+                row, col = row + 1, 0
+            while len(screen) <= row:
+                screen.append([])
+            line = screen[row]
+            line.extend(" " * (col - len(line)))
+            line[col:col + 1] = [char]
+            col += 1
+        while len(screen) <= row:
+            screen.append([])
+    return ["".join(line).rstrip() for line in screen]

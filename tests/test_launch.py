@@ -7,13 +7,19 @@ failure_injection), under Gloo and MPI, and start horovodrun where it cannot sta
 """
 import io
 import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
 
-from helpers import BIN, assert_workers_stop_when_killed, horovodrun, hvdtrain, inject, training_workers
-from hvdtrain.launching.relay import Relay
+from helpers import (BIN, assert_workers_stop_when_killed, discovery, horovodrun, hvdtrain, inject, run_on_terminal,
+                     training_workers)
+from hvdtrain.errors import UserError
+from hvdtrain.launching import launch
+from hvdtrain.launching.relay import LEAVING, Relay
 
 # ---------------------------------------------------------------- recorded output
 
@@ -76,7 +82,7 @@ def test_a_traceback_on_one_worker_is_shown_once_without_the_echoes_of_the_other
               "Process 1 exit with status code 1.\n" + HOROVODRUN_WORKERS_FAILED.format(rank=0, code=1))
     code, out, err = relay(output, 1)
     assert code == 1
-    assert out == "[0]<stdout>:step 0: eval loss 4.8694\n"  # worker output passes through
+    assert out == "step 0: eval loss 4.8694\n"  # rank 0's output passes through, untagged
     assert err == "hvdtrain: worker 1 failed:\n" + REAL_ERROR
 
 
@@ -92,7 +98,7 @@ def test_pieces_that_mpirun_tagged_separately_are_joined_into_lines():
               "[1,1]<stderr>:    ^^^^[1,1]<stderr>:^^^^\n[1,1]<stderr>:RuntimeError: boom\n"
               "[1,0]<stdout>:step 1: loss 4.5[1,0]<stdout>:\n" + MPIRUN_WORKER_FAILED)
     code, out, err = relay(output, 1)
-    assert out == "[1,0]<stdout>:step 1: loss 4.5\n"
+    assert out == "step 1: loss 4.5\n"
     assert err == "hvdtrain: worker 1 failed:\nTraceback (most recent call last):\n  File \"x.py\", line 1\n" \
                   "    ^^^^^^^^\nRuntimeError: boom\n"
 
@@ -219,14 +225,48 @@ def test_a_stuck_worker_says_where_it_is_stuck():
 
 def test_after_a_successful_run_nothing_is_lost():
     """A traceback a worker printed and survived (a library logging a handled error) is shown
-    at the end, with its rank."""
+    at the end, with its worker."""
     output = tagged("[1]<stderr>:", REAL_ERROR) + "[0]<stdout>:done\n"
     code, out, err = relay(output, 0)
-    assert (code, out) == (0, "[0]<stdout>:done\n")
-    assert err == tagged("[1]<stderr>:", REAL_ERROR)
+    assert (code, out, err) == (0, "done\n" + tagged("[worker 1] ", REAL_ERROR), "")
+
+
+def test_rank_0_is_shown_untagged_and_the_others_only_when_it_matters():
+    output = ("[1,0]<stdout>:hvdtrain: gpt2 0.94M parameters\n[1,1]<stdout>:hvdtrain: cache hit\n"
+              "[1,1]<stdout>:/x/y.py:3: UserWarning: the slow path\n"
+              f"[1,1]<stdout>:{LEAVING}rank 1 on host b is stuck\n[1,0]<stdout>:step 10/20: loss 7.3972, "
+              "lr 1.00e-03, 2670 tokens/s, comm 4%\n[1,0]<stdout>:hvdtrain: done: 20 steps\n")
+    assert relay(output, 0, hosts=["a", "b"]) == (
+        0, "hvdtrain: gpt2 0.94M parameters\n[worker 1 on host b] /x/y.py:3: UserWarning: the slow path\n"
+           f"[worker 1 on host b] {LEAVING}rank 1 on host b is stuck\n"
+           "step 10/20: loss 7.3972, lr 1.00e-03, 2670 tokens/s, comm 4%\nhvdtrain: done: 20 steps\n", "")
 
 
 # ---------------------------------------------------------------- real runs
+
+@pytest.mark.workers
+@pytest.mark.parametrize("controller", ["gloo", pytest.param("mpi", marks=pytest.mark.deep)])
+def test_on_a_terminal_rank_0_is_one_clean_stream_under_one_bar_and_a_summary(tmp_path, tiny_config, controller):
+    """What the screen of a 160-column terminal shows once the launch has ended (issue 39)."""
+    out = tmp_path / "run"
+    config = tiny_config({"train": {"max_steps": 8}, "log": {"every": 2, "progress": True}, "eval": {"every": 4},
+                          "checkpoint": {"every": 4}})
+    code, raw, screen = run_on_terminal([BIN / "hvdtrain", "launch", f"--{controller}", "-np", "2", config,
+                                         f"out_dir={out}"])
+    lines = [line for line in screen if line]
+    assert code == 0, "\n".join(lines)
+    shown = "\n".join(lines)
+    assert "<stdout>" not in shown and "<stderr>" not in shown and "[1," not in shown, shown
+    bars = [i for i, line in enumerate(lines) if line.startswith("train:")]
+    assert len(bars) == 1 and "8/8" in lines[bars[0]], shown  # one bar, at its end ...
+    assert raw.count("train:") >= 4  # ... drawn at each of the 4 log points, in place
+    order = [next(i for i, line in enumerate(lines) if line.startswith(start)) for start in
+             ("hvdtrain: gpt2", "step 0: eval loss", "step 4: eval loss", "step 8: eval loss")]
+    assert order == sorted(order) and order[-1] < bars[0], shown  # as they happened, above the bar
+    summary = "".join(line.ljust(160) for line in lines[bars[0] + 1:]).rstrip()  # the last line, wrapped
+    assert summary.startswith("hvdtrain: done: 8 steps in ") and "tokens/s" in summary, shown
+    assert "step 8: eval loss" in summary and f"run folder {out}, model in {out / 'hf'}" in summary, shown
+
 
 def assert_no_echoes(text: str):
     for echo in ("Horovod has been shut down", "HorovodInternalError", "Horovod detected", "Terminated",
@@ -313,8 +353,36 @@ def test_hosts_and_slots_are_checked_before_anything_starts(tmp_path, tiny_confi
         assert len(proc.stderr.splitlines()) == 1
 
 
+def elastic_command(*argv) -> list[str]:
+    """The horovodrun command of `hvdtrain launch --elastic ARGV config.yaml`."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    launch.add_launch_options(parser, 1)
+    launch.add_elastic_options(parser)
+    launch.add_config_args(parser)
+    return launch.horovodrun_command(parser.parse_args(["--elastic", *map(str, argv), "config.yaml"]), ["train"])
+
+
+def test_an_elastic_job_on_this_machine_alone_talks_over_loopback(tmp_path):
+    """Horovod Elastic finds the network interface by testing between two hosts: a job whose
+    hosts are all this machine gets the loopback interface (a real run: test_elastic.py), one
+    other machine alone is one line, two or more are Horovod's to test, a given one is kept."""
+    def interface(*argv):
+        cmd = elastic_command(*argv)
+        return cmd[cmd.index("--network-interface") + 1] if "--network-interface" in cmd else None
+
+    assert interface("-np", "2", "-H", "localhost:2") == "lo"
+    assert interface("-np", "1", "--host-discovery-script", discovery(tmp_path, ["127.0.0.1:1", "localhost:4"])) == "lo"
+    assert interface("-np", "2", "-H", "203.0.113.7:1,203.0.113.8:1") is None  # Horovod tests between them
+    assert interface("-np", "1", "-H", "localhost:1", "--network-interface", "eth7") == "eth7"
+    with pytest.raises(UserError, match=r"^--elastic on one host \(203.0.113.7\) needs --network-interface"):
+        elastic_command("-np", "1", "--host-discovery-script", discovery(tmp_path, ["203.0.113.7:2"]))
+
+
 @pytest.mark.workers
-@pytest.mark.parametrize("controller,killed", [("gloo", "launcher"), ("mpi", "launcher"), ("gloo", "group")])
+@pytest.mark.parametrize("controller,killed", [("gloo", "launcher"), ("mpi", "launcher"),
+                                               pytest.param("gloo", "group", marks=pytest.mark.deep)])
 def test_the_workers_of_a_killed_launcher_stop_by_themselves(tmp_path, tiny_config, controller, killed):
     """SIGKILL of `hvdtrain launch` alone (its terminal closed, an OOM kill), or of its whole
     process group (a shell's `kill -9 %1`, which also reaches what the launcher started in its
@@ -347,3 +415,24 @@ def test_a_stop_signal_to_the_launcher_stops_the_workers_as_a_preemption(tmp_pat
     assert launcher.returncode == 75, stdout[-2000:] + stderr[-2000:]
     assert "preempted" in stdout + stderr and "Traceback" not in stdout + stderr
     assert checkpoint.newest_intact_checkpoint(out) is not None and training_workers(out) == []
+
+
+def test_the_guard_kills_what_of_the_job_ignores_its_stop_signal(tmp_path):
+    """The guard of a dead launcher stops horovodrun's group with SIGTERM, then kills what is
+    left after STOP_GRACE_S (Horovod's elastic driver outlived its stopped workers for ever)."""
+    stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                                 "signal.SIG_IGN); print('ready', flush=True); time.sleep(120)"],
+                                stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert stubborn.stdout.readline().strip() == "ready"
+    guard = ("import hvdtrain.launching.launcher_guard as g; g.STOP_GRACE_S = 2; "
+             f"g.main({stubborn.pid}, {{launcher}})")
+    # The launcher: starts its guard, then dies (the guard gets SIGTERM, as when a launcher is killed)
+    launcher = subprocess.run([sys.executable, "-c", "import os, subprocess, sys, time; subprocess.Popen("
+                               f"[sys.executable, '-c', {guard!r}.format(launcher=os.getpid())], "
+                               "start_new_session=True); time.sleep(1)"], timeout=60)
+    assert launcher.returncode == 0
+    try:
+        assert stubborn.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        stubborn.kill()
+        stubborn.stdout.close()

@@ -118,6 +118,7 @@ def test_a_resumed_run_shows_each_step_once(tmp_path, tiny_config):
         [r["loss"] for r in read_metrics(straight)[0]], rel=1e-5)
 
 
+@pytest.mark.deep
 @pytest.mark.workers
 def test_a_resume_between_two_log_points_keeps_every_steps_loss(tmp_path, tiny_config):
     """log.every=4 with a checkpoint every 3: the checkpoint's step is a log point too, so a run

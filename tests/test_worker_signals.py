@@ -101,7 +101,11 @@ bash {tmp_path}/bin/bystander &
         assert worker.poll() is None
 
         worker.send_signal(stop)
-        worker.wait(timeout=20)
+        try:
+            worker.wait(timeout=60)  # the ranks take 1 s; a loaded machine's bash, far longer
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the entrypoint did not end within 60 s of {stop.name}; its log: {log.read_text()!r}; "
+                        f"its stderr: {(tmp_path / 'worker.err').read_text()!r}")
     finally:
         stop_all(worker, tmp_path)
     lines = log.read_text().splitlines()

@@ -18,6 +18,7 @@ stopped keeps its finished pieces, and the next one skips them.
 import dataclasses
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from hvdtrain.data.tokenizer import load_or_train_tokenizer, tokenizer_fingerpri
 from hvdtrain.data.tokenizing import TokenizingProcesses
 from hvdtrain.errors import UserError
 from hvdtrain.models import family
+from hvdtrain.observe.progress import on_terminal
 from hvdtrain.paths import check_writable_folder
 
 log = logging.getLogger(__name__)
@@ -278,7 +280,7 @@ class _Progress:
         sizes = [d.size for d in (corpus.train, corpus.validation) if d is not None]
         total = None if None in sizes else sum(sizes)
         self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="preparing", delay=PROGRESS_DELAY_S, mininterval=1,
-                        disable=not enabled, dynamic_ncols=True)
+                        disable=not (enabled and on_terminal(sys.stderr)), dynamic_ncols=True)
         self.start, self.documents, self.tokens = time.perf_counter(), 0, 0
 
     def __enter__(self):

@@ -14,24 +14,26 @@ from concurrent.futures import ThreadPoolExecutor
 
 from hvdtrain.errors import UserError
 from hvdtrain.launching.relay import Relay
+from hvdtrain.observe.progress import LAUNCHED
+from hvdtrain.observe.trackers import check_installed
 
 
 def horovodrun_command(args, worker_args: list[str]) -> list[str]:
     horovodrun = shutil.which("horovodrun") or os.path.join(os.path.dirname(sys.executable), "horovodrun")
     if not os.path.exists(horovodrun):
         raise UserError("horovodrun was not found next to this Python; run `make setup` to install Horovod")
+    elastic = elastic_options(args) if getattr(args, "elastic", False) else []
+    interface = args.network_interface or (elastic_interface(args) if elastic else None)
     cmd = [horovodrun, "-np", str(args.np)]
     if args.hosts:
         cmd += ["-H", args.hosts]
     if args.controller:
         cmd.append(f"--{args.controller}")
-    if args.network_interface:
-        cmd += ["--network-interface", args.network_interface]
+    if interface:
+        cmd += ["--network-interface", interface]
     if args.start_timeout is not None:
         cmd += ["--start-timeout", str(args.start_timeout)]
-    if getattr(args, "elastic", False):
-        cmd += elastic_options(args)
-    return cmd + args.horovodrun_args + [sys.executable, "-m", "hvdtrain.cli"] + worker_args
+    return cmd + elastic + args.horovodrun_args + [sys.executable, "-m", "hvdtrain.cli"] + worker_args
 
 
 def elastic_options(args) -> list[str]:
@@ -58,15 +60,54 @@ def elastic_options(args) -> list[str]:
     return cmd
 
 
-def hosts_by_rank(hosts: str | None, np: int) -> list[str]:
-    """The host of each rank: horovodrun and mpirun fill the slots of `-H a:2,b:2` in order."""
+def elastic_interface(args) -> str | None:
+    """The --network-interface of an elastic job that names none, or None to let Horovod find it.
+
+    Horovod Elastic finds the interface its hosts share by testing between two of them, so a
+    job that starts on one host would wait, silently, until --elastic-timeout (600 s) for a
+    second. When every host the job starts with (-H, or what the discovery script prints now)
+    is this machine, its workers talk over the loopback interface; one other machine alone is
+    refused: only the user knows the interface it is reached on."""
+    names = sorted(set(host_slots(args.hosts) if args.hosts else discovered_hosts(args)))
+    if not names:
+        return None  # no host yet: Horovod waits for one, up to --elastic-timeout, and then says so
+    from horovod.runner.util.network import filter_local_addresses, get_local_intfs
+
+    loopback = sorted(get_local_intfs())  # the interfaces of 127.0.0.1: Horovod's own choice for local hosts
+    if not filter_local_addresses(names) and loopback:
+        return loopback[0]
+    if len(names) == 1:
+        raise UserError(f"--elastic on one host ({names[0]}) needs --network-interface (e.g. eth0, the interface "
+                        "that host is reached on): Horovod Elastic finds it by testing between two hosts")
+    return None
+
+
+def discovered_hosts(args) -> list[str]:
+    """The host names --host-discovery-script prints now (host:slots lines), [] when it fails
+    or gives no answer within the start timeout (Horovod then runs it again)."""
+    try:
+        proc = subprocess.run([os.path.abspath(args.host_discovery_script)], capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL, timeout=start_timeout(args))
+    except subprocess.TimeoutExpired:
+        return []
+    lines = proc.stdout.split() if proc.returncode == 0 else []
+    return [line.partition(":")[0] for line in lines]
+
+
+def host_slots(hosts: str) -> list[str]:
+    """The host of each slot of `-H a:2,b:2`, in order."""
     slots = []
-    for entry in hosts.split(",") if hosts else []:
+    for entry in hosts.split(","):
         name, _, count = entry.partition(":")
         if not name or not (count or "1").isdigit():
             raise UserError(f"-H: expected host1:slots,host2:slots (e.g. node1:8,node2:8), got '{hosts}'")
         slots += [name] * int(count or 1)
-    return slots[:np]
+    return slots
+
+
+def hosts_by_rank(hosts: str | None, np: int) -> list[str]:
+    """The host of each rank: horovodrun and mpirun fill the slots of `-H a:2,b:2` in order."""
+    return host_slots(hosts)[:np] if hosts else []
 
 
 def start_timeout(args) -> int:
@@ -110,10 +151,22 @@ def check_hosts_reachable(args):
         raise UserError("; ".join(problems))
 
 
+def join_output_streams():
+    """In a worker of `hvdtrain launch` (LAUNCHED set): stderr goes into stdout's pipe, unbuffered, so that what
+    the worker says reaches the user in the order it happened. horovodrun and mpirun read a
+    worker's stdout and stderr through two pipes and pass on whichever has output first (a
+    warning printed before an evaluation could come after it); the relay tells errors apart
+    by what they say, not by their stream."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(sys.stdout.fileno(), sys.stderr.fileno())
+
+
 def run_launch(args) -> int:
     from hvdtrain.config import load_config
 
-    load_config(args.config, args.overrides)  # fail here, once, before starting any worker
+    cfg = load_config(args.config, args.overrides)  # fail here, once, before starting any worker
+    check_installed(cfg)
     if args.np < 1:
         raise UserError(f"-np: expected a number of workers >= 1, got {args.np}")
     cmd = horovodrun_command(args, ["train", args.config, *args.overrides])
@@ -121,7 +174,7 @@ def run_launch(args) -> int:
         if len(hosts_by_rank(args.hosts, args.np)) < args.np:
             raise UserError(f"-np {args.np} is more than the slots of -H {args.hosts}")
         check_hosts_reachable(args)
-    env = dict(os.environ)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **{LAUNCHED: "1"})
     if not args.hosts:
         # One host: its workers share its cores. Give each its share of compute threads, and
         # make Open MPI (under --mpi) yield the core while a worker waits instead of spinning.
@@ -163,7 +216,8 @@ def add_launch_options(p: argparse.ArgumentParser, default_np: int):
     group = p.add_mutually_exclusive_group()
     group.add_argument("--gloo", dest="controller", action="store_const", const="gloo", help="Gloo controller")
     group.add_argument("--mpi", dest="controller", action="store_const", const="mpi", help="MPI controller")
-    p.add_argument("--network-interface", help="interface(s) for Horovod traffic, e.g. eth0 (NCCL: set NCCL_SOCKET_IFNAME)")
+    p.add_argument("--network-interface", help="interface(s) for Horovod traffic, e.g. eth0 (NCCL: set NCCL_SOCKET_IFNAME; "
+                        "default: Horovod tests between the hosts; an elastic job on this machine alone: lo)")
     p.add_argument("--start-timeout", type=int, metavar="SECONDS",
                    help="how long to wait for each host (ssh) and for the workers to start (default 30, "
                         "or HOROVOD_START_TIMEOUT)")

@@ -5,7 +5,9 @@ it, in a session of its own (so that a SIGKILL to the launcher's process group s
 armed with Linux's parent-death signal: when the launcher dies, the guard gets SIGTERM and
 passes it to horovodrun's group (horovodrun, and under --mpi the shell and mpirun it starts).
 They stop the workers as on a preemption, so none goes on training into the run folder beside a
-relaunched job. A launcher that ends normally kills its guard first.
+relaunched job. What of the group is still there STOP_GRACE_S later is killed: Horovod's elastic
+driver outlives its stopped workers (it waits to start new ones), and would otherwise stay for
+ever. A launcher that ends normally kills its guard first.
 
     python -m hvdtrain.launching.launcher_guard GROUP LAUNCHER_PID
 """
@@ -13,8 +15,11 @@ import ctypes
 import os
 import signal
 import sys
+import time
 
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
+# Time for the workers to write their preemption checkpoint and for horovodrun to end with them
+STOP_GRACE_S = 300
 
 
 def die_with_parent(signum: int, parent: int) -> bool:
@@ -26,10 +31,15 @@ def die_with_parent(signum: int, parent: int) -> bool:
 
 def main(group: int, launcher: int):
     def stop(*_):
+        deadline = time.monotonic() + STOP_GRACE_S
         try:
             os.killpg(group, signal.SIGTERM)
+            while time.monotonic() < deadline:
+                time.sleep(1)
+                os.killpg(group, 0)  # raises once every process of the group has ended
+            os.killpg(group, signal.SIGKILL)
         except ProcessLookupError:
-            pass  # the job has ended already
+            pass  # the job has ended
         os._exit(0)
 
     signal.signal(signal.SIGTERM, stop)

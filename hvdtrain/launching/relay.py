@@ -1,10 +1,16 @@
-"""What the user sees of a horovodrun job: the workers' output as it comes, and each real error once.
+"""What the user sees of a horovodrun job: rank 0's output as it comes, and each real error once.
 
 horovodrun prefixes every line a worker writes with its rank: `[R]<stderr>:` under Gloo,
-`[1,R]<stderr>:` under MPI (mpirun --tag-output). When one worker fails, the others fail after
-it (tracebacks saying "Horovod has been shut down", "Terminated"), and horovodrun or mpirun add
-their own report. While the job runs, `Relay.feed` passes worker output through and holds back
-what may be an error; when the job has ended, `Relay.finish` shows the first real one:
+`[1,R]<stderr>:` under MPI (mpirun --tag-output). While the job runs, `Relay.feed` shows rank 0's
+lines without that tag, as `accelerate launch` or `torchrun` would: its progress lines
+(hvdtrain.observe.progress) as one bar redrawn in place when the launcher's output is a
+terminal, as plain lines otherwise. The other ranks' lines are shown only when they matter (a
+warning, an error), tagged with their worker then. Workers of `hvdtrain launch` write stderr into
+stdout (hvdtrain.launching.launch.join_output_streams): what a line is comes from what it says.
+
+When one worker fails, the others fail after it (tracebacks saying "Horovod has been shut down",
+"Terminated"), and horovodrun or mpirun add their own report. `Relay.feed` holds back what may be
+an error; when the job has ended, `Relay.finish` shows the first real one:
 
 1. the first one-line user error of any worker (`hvdtrain: error: ...`, exit code 2): every
    worker that hits one prints it, so the same mistake on all ranks is shown once; or the
@@ -19,6 +25,8 @@ import re
 import signal
 import sys
 from dataclasses import dataclass, field
+
+from hvdtrain.observe.progress import SUMMARY, ProgressDisplay, parse_progress_line
 
 WORKER_PREFIX = re.compile(r"\[(?:\d+,)?(\d+)\]<(stdout|stderr)>:")
 USER_ERROR = "hvdtrain: error: "
@@ -39,6 +47,9 @@ MPI_PEER_GONE = re.compile(r"Read -1, expected \d+, errno = 3$")
 
 def is_echo(line: str) -> bool:
     return any(echo in line for echo in ECHOES) or bool(MPI_PEER_GONE.search(line.rstrip()))
+
+# A line of a rank other than 0 that the user sees as it comes (and LEAVING's).
+WORTH_SHOWING = re.compile(r"warn|error|exception|fatal", re.IGNORECASE)
 
 # What the shell running a worker says when the worker is stopped by a signal: the report of
 # the first failed worker says it better, and for the others it is only an echo.
@@ -75,14 +86,17 @@ class Message:
 
 
 class Relay:
-    def __init__(self, hosts_by_rank: list[str], world_size: int, out=None, err=None):
+    """`terminal`: draw rank 0's progress as a bar on `out` (default: when `out` is a terminal)."""
+
+    def __init__(self, hosts_by_rank: list[str], world_size: int, out=None, err=None, terminal: bool | None = None):
         self.hosts_by_rank = hosts_by_rank  # empty when all workers run here
         self.world_size = world_size
         self.out, self.err = out or sys.stdout, err or sys.stderr
+        self.display = ProgressDisplay(self.out, terminal)
         self.messages: list[Message] = []
         self.open_traceback: dict[int, Message] = {}
-        self.partial: dict[tuple[int, str], tuple[str, str]] = {}  # (rank, channel): (tag, text so far)
-        self.last_line: dict[int, str] = {}  # each worker's last stderr line that was passed through
+        self.partial: dict[tuple[int, str], str] = {}  # (rank, channel): the text of its line so far
+        self.last_line: dict[int, str] = {}  # each worker's last line that was not held back
         self.launcher_lines: list[str] = []  # horovodrun's and mpirun's own output, held to the end
 
     def feed(self, line: str):
@@ -94,18 +108,14 @@ class Relay:
             return
         for tag, end in zip(tags, [t.start() for t in tags[1:]] + [len(line)]):
             key = (int(tag[1]), tag[2])
-            prefix, text = self.partial.pop(key, (tag[0], ""))
-            text += line[tag.end():end]
+            text = self.partial.pop(key, "") + line[tag.end():end]
             if text.endswith("\n"):
-                self.worker_line(key[0], key[1], prefix, text)
+                self.worker_line(key[0], text)
             else:
-                self.partial[key] = (prefix, text)
+                self.partial[key] = text
 
-    def worker_line(self, rank: int, channel: str, prefix: str, text: str):
-        if channel == "stdout":
-            self.out.write(prefix + text)
-            self.out.flush()
-        elif rank in self.open_traceback:  # a worker's traceback is the last thing it prints
+    def worker_line(self, rank: int, text: str):
+        if rank in self.open_traceback:  # a worker's traceback is the last thing it prints
             self.open_traceback[rank].lines.append(text)
         elif text.startswith(TRACEBACK):
             self.open_traceback[rank] = Message(rank, [text])
@@ -114,19 +124,34 @@ class Relay:
             self.messages.append(Message(rank, [text]))
         elif text.strip() not in SHELL_NOTES:
             self.last_line[rank] = text.strip()
-            self.err.write(prefix + text)
-            self.err.flush()
+            self.show(rank, text)
+
+    def show(self, rank: int, text: str):
+        """A line as the user sees it: rank 0's as it is (its progress drawn as the bar), another
+        rank's tagged with its worker, and only when it matters."""
+        progress = parse_progress_line(text) if rank == 0 else None
+        if progress is not None:
+            self.display.update(progress)
+        elif rank == 0:
+            if text.startswith(SUMMARY):
+                self.display.close()
+            self.display.message(text)
+        elif WORTH_SHOWING.search(text) or text.startswith(LEAVING):
+            self.display.message(f"[{self.worker(rank)}] {text}")
 
     def finish(self, returncode: int) -> int:
         """Show what was held back; return the exit code for `hvdtrain launch`: 2 for a user
         error, else that of the first worker that failed (or horovodrun's)."""
-        for (rank, channel), (prefix, text) in list(self.partial.items()):  # output cut short
-            self.worker_line(rank, channel, prefix, text + "\n")
-        if returncode == 0:  # nothing failed: what was held back was no error; show it as it came
+        for (rank, _), text in list(self.partial.items()):  # output cut short
+            self.worker_line(rank, text + "\n")
+        if returncode == 0:  # nothing failed: what was held back was no error; show it
             for message in self.messages:
-                self.err.writelines(f"[{message.rank}]<stderr>:{line}" for line in message.lines)
+                for line in message.lines:
+                    self.display.message(line if message.rank == 0 else f"[{self.worker(message.rank)}] {line}")
+            self.display.close()
             self.out.writelines(self.launcher_lines)
             return 0
+        self.display.close()  # the bar stays as it was; the error comes below it
         causes = [m for m in self.messages if not m.is_echo]
         failed = self.first_failed_worker()
         stalls = [m for m in causes if STALL_LINE.match(m.lines[0])]

@@ -1,4 +1,6 @@
-"""What rank 0 shows and records about a run: progress bar, metrics.jsonl, TensorBoard.
+"""What rank 0 shows and records about a run: its progress (hvdtrain.observe.progress),
+metrics.jsonl, TensorBoard, the experiment trackers (hvdtrain.observe.trackers), and the
+summary line at its end.
 
 metrics.jsonl holds one JSON object per logged step (`step`, `loss`, `lr`, `tokens_per_s`,
 `world_size`, the step-time breakdown ...) and one per evaluation (`step`, `eval_loss`, ...).
@@ -11,21 +13,28 @@ TensorBoard purge its events from step S + 1 on; events (an elastic reset ...) a
 import json
 import math
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from tqdm import tqdm
-
 from hvdtrain.observe.metrics import FILE_NAME, is_event
+from hvdtrain.observe.progress import SUMMARY, Progress, ProgressDisplay
+from hvdtrain.observe.trackers import Trackers
 
 
 class RunLog:
-    def __init__(self, out_dir: str, start_step: int, max_steps: int, progress: bool, tensorboard: bool):
+    def __init__(self, out_dir: str, start_step: int, max_steps: int, progress: bool, tensorboard: bool,
+                 trackers: Trackers | None = None):
         self.path = Path(out_dir) / FILE_NAME
         keep_records_up_to(self.path, start_step)
         self.file = open(self.path, "a")
-        self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
-                        disable=not progress)
+        self.out_dir, self.start_step, self.max_steps = Path(out_dir), start_step, max_steps
+        self.display = ProgressDisplay(show_progress=progress)  # a bar on a terminal, else plain lines
+        self.started = time.monotonic()
+        self.last_train: dict | None = None
+        self.last_eval: dict | None = None
+        self.tokens_per_s: list[float] = []  # each record's throughput, for the summary
+        self.trackers = trackers
         self.straggler = None  # the rank over the imbalance threshold in the previous interval
         self.tb = None
         if tensorboard:
@@ -43,14 +52,15 @@ class RunLog:
                     self.tb.add_scalar(key, value, record["step"])
             # On disk now, not in 2 minutes: after a kill, the run that resumes keeps these events.
             self.tb.flush()
+        if self.trackers is not None:
+            self.trackers.log(record)
 
     def train_record(self, record: dict):
         self.write(record)
-        self.bar.n = record["step"]
-        self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
-                             tok_s=f"{record['tokens_per_s']:.0f}", comm=f"{record.get('comm_fraction', 0):.0%}",
-                             refresh=False)
-        self.bar.refresh()
+        self.last_train = record
+        self.tokens_per_s.append(record["tokens_per_s"])
+        self.display.update(Progress(record["step"], self.max_steps, record["loss"], record["lr"],
+                                     record["tokens_per_s"], record.get("comm_fraction", 0.0)))
         # Warn about a rank that is the slow one in two intervals in a row: one noisy interval
         # (a shared machine, a GC pause) is not a straggler.
         slow = record["slowest_rank"] if record.get("imbalance_warning") else None
@@ -62,9 +72,8 @@ class RunLog:
 
     def eval_record(self, record: dict):
         self.write(record)
-        ppl = f", perplexity {record['eval_ppl']:.2f}" if math.isfinite(record["eval_ppl"]) else ""
-        acc = f", accuracy {record['eval_accuracy']:.3f}" if "eval_accuracy" in record else ""
-        self.message(f"step {record['step']}: eval loss {record['eval_loss']:.4f}{ppl}{acc}")
+        self.last_eval = record
+        self.message(f"step {record['step']}: {eval_figures(record)}")
 
     def event(self, record: dict):
         """Something that happened to the run at a step (e.g. an elastic reset): a record and a line."""
@@ -73,13 +82,37 @@ class RunLog:
         self.message(f"step {record['step']}: {record['event']} ({details})")
 
     def message(self, text: str):
-        self.bar.write(text)
+        self.display.message(text)
+
+    def summary(self, hf_dir: Path | None) -> str:
+        """The run's last line: what this run did, how fast, its final evaluation, where it is."""
+        step = self.last_train["step"] if self.last_train else self.start_step
+        took = round(time.monotonic() - self.started)
+        done = f"{step - self.start_step} steps" + (f" (from step {self.start_step})" if self.start_step else "")
+        done += f" in {took // 60}m{took % 60:02d}s" if took >= 60 else f" in {took}s"
+        if self.tokens_per_s:
+            done += f" ({sum(self.tokens_per_s) / len(self.tokens_per_s):.0f} tokens/s)"
+        if self.last_eval is not None:
+            done += f"; step {self.last_eval['step']}: {eval_figures(self.last_eval)}"
+        where = f"run folder {self.out_dir}" + (f", model in {hf_dir}" if hf_dir else "")
+        return f"{SUMMARY}{done}; {where}"
+
+    def end_trackers(self, hf_dir: Path | None = None, failed: bool = False):
+        """The tracker runs end: with the exported model (hf_dir) when the run is complete."""
+        if self.trackers is not None:
+            self.trackers.finish(hf_dir, failed)
 
     def close(self):
-        self.bar.close()
+        self.display.close()
         self.file.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def eval_figures(record: dict) -> str:
+    ppl = f", perplexity {record['eval_ppl']:.2f}" if math.isfinite(record["eval_ppl"]) else ""
+    acc = f", accuracy {record['eval_accuracy']:.3f}" if "eval_accuracy" in record else ""
+    return f"eval loss {record['eval_loss']:.4f}{ppl}{acc}"
 
 
 def keep_records_up_to(path: Path, start_step: int):
