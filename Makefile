@@ -5,7 +5,7 @@ NP ?= 2
 RECIPE ?= recipes/gpt-tiny.yaml
 BIN := $(VENV)/bin
 
-.PHONY: setup train test test-fast test-image test-compose test-slurm bench gpu-carry clean
+.PHONY: setup train test test-deep test-fast test-image test-compose test-slurm bench gpu-carry clean
 
 # venv, torch (TORCH_SPEC=... to choose a build), Horovod built for this machine, hvdtrain.
 # As root on Debian/Ubuntu it apt-installs what is missing (Open MPI, ...); SETUP_ARGS=--sshd
@@ -18,8 +18,15 @@ train: setup
 	$(BIN)/hvdtrain launch -np $(NP) $(RECIPE)
 	$(BIN)/hvdtrain generate runs/gpt-tiny/hf "The Python language" --max-new-tokens 40
 
+# Every test but the wider grids marked `deep` (under 45 minutes on 2 cores).
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -m "not deep" tests
+
+# The wider grids of each capability (layouts x levels x families), beyond make test's key cases;
+# set-up adds the `eval` extra (lm-evaluation-harness) that tests/test_lm_eval.py scores exports with.
+test-deep:
+	$(PYTHON) scripts/install.py --venv $(VENV) --extras test,eval $(SETUP_ARGS)
+	$(BIN)/python -m pytest -q -m deep tests
 
 # The tests that start no worker processes: seconds.
 test-fast: setup

@@ -1,4 +1,4 @@
-"""pytest set-up: the `workers` marker and the tiny-config fixture (helpers are in helpers.py)."""
+"""pytest set-up: the `workers` and `deep` markers and the tiny-config fixture (helpers are in helpers.py)."""
 import pytest
 
 from helpers import TINY, write_config
@@ -7,6 +7,8 @@ from helpers import TINY, write_config
 def pytest_configure(config):
     config.addinivalue_line("markers", "workers: starts hvdtrain or horovodrun worker processes (slow); "
                                        "`pytest -m 'not workers'` runs the fast tests alone")
+    config.addinivalue_line("markers", "deep: a wider grid of a capability whose key equivalence tests run in "
+                                       "`make test`; `make test-deep` runs these (minutes to hours on 2 cores)")
 
 
 @pytest.fixture

@@ -83,6 +83,7 @@ def test_compare_hvdtrain_with_the_plain_loop(tiny_config):
     assert len(ratio["pair_ratios"]) == 2
 
 
+@pytest.mark.deep
 def test_compare_variations_of_hvdtrain_bert(tiny_config):
     """--vary adds hvdtrain sides (a config key, an environment switch); each is compared with
     hvdtrain as configured: for log.step_breakdown=false that ratio is the breakdown's cost."""
@@ -124,6 +125,7 @@ def test_compare_rejects_bad_arguments_in_one_line(tiny_config, args, message):
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.deep
 def test_overhead_is_compare_of_the_eager_loops(tiny_config):
     proc = hvdtrain("bench", "overhead", tiny_config(), "--steps", "3", "--windows", "1", timeout=180)
     assert proc.returncode == 0, proc.stderr

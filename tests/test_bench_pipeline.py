@@ -46,6 +46,7 @@ def test_bad_input_is_a_user_error_before_any_worker(argv, message):
         args.func(args)
 
 
+@pytest.mark.deep
 @pytest.mark.workers
 def test_smallest_run(tmp_path):
     proc = hvdtrain("bench", "pipeline", "--microbatches", "2,4", "--micro-batch", "1", "--steps", "4",

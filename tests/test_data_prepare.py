@@ -235,6 +235,7 @@ def test_token_stream_reads_across_pieces_in_either_width(tmp_path):
 
 def test_the_progress_bar_shows_documents_and_tokens_per_second(tmp_path, monkeypatch, caplog, capsys):
     monkeypatch.setattr(preparation, "PROGRESS_DELAY_S", 0)
+    monkeypatch.setattr(preparation, "on_terminal", lambda stream: True)  # the bar is drawn on terminals only
     caplog.set_level(logging.INFO, logger="hvdtrain")
     cfg = config(tmp_path)
     cfg.log.progress = True

@@ -56,6 +56,7 @@ def test_two_horovod_workers_write_the_files_one_process_writes(tmp_path, tiny_c
     assert files(pair) == files(alone)
 
 
+@pytest.mark.deep
 def test_workers_that_see_the_max_tokens_cut_at_different_pieces_write_the_one_process_files(tmp_path,
                                                                                               tiny_config):
     """data.max_tokens cuts the training split inside piece 2 or so of ~15. Member 1 starts only

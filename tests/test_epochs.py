@@ -45,6 +45,7 @@ def test_two_workers_equal_one_over_several_epochs(tmp_path, corpus):
     assert_same_params(load_params(one, 0), load_params(tmp_path / "two", 1), atol=1e-5)
 
 
+@pytest.mark.deep
 def test_a_stop_in_the_middle_of_epoch_2_resumes_exactly(tmp_path, corpus):
     config, cache, one = corpus
     out = tmp_path / "resumed"

@@ -7,9 +7,11 @@ from helpers import assert_same_losses, assert_same_params, load_params, step_lo
 pytestmark = pytest.mark.workers
 
 
-@pytest.mark.parametrize("model", [{"arch": "gpt2"}, {"arch": "bert"}, {"arch": "llama", "n_kv_head": 1},
-                                   {"arch": "modernbert", "local_attention": 8}],
-                         ids=["gpt2", "bert", "llama", "modernbert"])
+@pytest.mark.parametrize("model", [
+    {"arch": "gpt2"}, {"arch": "bert"},
+    pytest.param({"arch": "llama", "n_kv_head": 1}, marks=pytest.mark.deep),
+    pytest.param({"arch": "modernbert", "local_attention": 8}, marks=pytest.mark.deep),
+], ids=["gpt2", "bert", "llama", "modernbert"])
 def test_two_workers_equal_one_worker(tmp_path, tiny_config, model):
     """Same global batch (4 x 2): np=1 accumulates 2 micro batches, np=2 runs 1 per rank.
     BERT's random masks give ranks different numbers of target tokens each step. Llama with
@@ -26,6 +28,7 @@ def test_two_workers_equal_one_worker(tmp_path, tiny_config, model):
     assert_same_params(load_params(one, 0), load_params(two, 0), atol=1e-5)
 
 
+@pytest.mark.deep
 def test_accumulation_equals_bigger_micro_batch_masked_lm(tmp_path, tiny_config):
     """grad_accum=2 x micro 4 equals micro 8 on 2 workers, with uneven target counts per rank."""
     config = tiny_config({"model": {"arch": "bert"}})

@@ -11,6 +11,7 @@ from helpers import REPO, run_cmd
 pytestmark = pytest.mark.workers
 
 
+@pytest.mark.deep
 def test_a_short_fault_campaign_loses_nothing(tmp_path):
     # The kinds of the first campaigns, whose seed 7 draws each of them (kill-in-rewrite needs two
     # checkpoints first: the README's campaigns include it).

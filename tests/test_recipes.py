@@ -42,8 +42,11 @@ print(json.dumps([g["sequence"] for g in fill(f"the {fill.tokenizer.mask_token} 
 
 @pytest.mark.parametrize("recipe,kind,model_class,steps", [("gpt-tiny", "CausalLM", "GPT2LMHeadModel", 40),
                                                            ("bert-tiny", "MaskedLM", "BertForMaskedLM", 40),
-                                                           ("llama-tiny", "CausalLM", "LlamaForCausalLM", 40),
-                                                           ("modernbert-tiny", "MaskedLM", "ModernBertForMaskedLM", 40)])
+                                                           pytest.param("llama-tiny", "CausalLM", "LlamaForCausalLM", 40,
+                                                                        marks=pytest.mark.deep),
+                                                           pytest.param("modernbert-tiny", "MaskedLM",
+                                                                        "ModernBertForMaskedLM", 40,
+                                                                        marks=pytest.mark.deep)])
 def test_tiny_recipe_trains_exports_and_runs(tmp_path, recipe, kind, model_class, steps):
     out = tmp_path / "run"
     proc = hvdtrain("launch", "-np", "2", REPO / "recipes" / f"{recipe}.yaml", f"out_dir={out}",
@@ -78,6 +81,7 @@ def test_tiny_recipe_trains_exports_and_runs(tmp_path, recipe, kind, model_class
         assert len(guesses) == 3 and all(g.endswith("statement is used in a loop.") for g in guesses), guesses
 
 
+@pytest.mark.deep
 def test_tiny_pipeline_recipe_trains_in_two_stages(tmp_path):
     """recipes/gpt-tiny-pipeline.yaml on 2 workers: one pipeline of 2 stages, end to end."""
     out = tmp_path / "run"

@@ -16,9 +16,9 @@ STEPS, HALF = 8, 4
 @pytest.mark.parametrize("optimizer,precision,model", [
     ("adamw", "fp32", {}), ("lamb", "fp16", {}),
     # grouped-query attention: both query heads share one key/value head
-    ("adamw", "fp32", {"arch": "llama", "n_kv_head": 1}),
+    pytest.param("adamw", "fp32", {"arch": "llama", "n_kv_head": 1}, marks=pytest.mark.deep),
     # the second layer attends to 8 of the 16 positions
-    ("adamw", "fp32", {"arch": "modernbert", "local_attention": 8})],
+    pytest.param("adamw", "fp32", {"arch": "modernbert", "local_attention": 8}, marks=pytest.mark.deep)],
     ids=["adamw-fp32", "lamb-fp16", "llama", "modernbert"])
 def test_stop_and_resume_equals_straight_run(tmp_path, tiny_config, optimizer, precision, model):
     """LAMB under fp16: its step takes the GradScaler's found_inf itself, and its state resumes."""
@@ -126,6 +126,7 @@ def test_fp16_resume_gives_every_rank_the_saved_loss_scale(tmp_path, tiny_config
     assert checkpoint.read_state(checkpoint.newest_intact_checkpoint(out))["scaler"]["scale"] == 1024.0
 
 
+@pytest.mark.deep
 def test_resume_with_dropout_equals_straight_run(tmp_path, tiny_config):
     """Dropout draws from each rank's RNG: the resumed run must draw exactly what the straight
     run drew (the data loader must not consume the restored RNG)."""
@@ -188,7 +189,7 @@ def assert_refused(proc, words: list[str]):
 ELASTIC_READY = {"train": {"max_steps": STEPS, "global_batch_size": 8}, "checkpoint": {"every": 2}}
 
 
-@pytest.mark.parametrize("launcher", ["plain", "elastic"])
+@pytest.mark.parametrize("launcher", ["plain", pytest.param("elastic", marks=pytest.mark.deep)])
 def test_resume_false_refuses_a_folder_with_a_live_run_and_touches_nothing(tmp_path, tiny_config, launcher):
     """The run in the folder is still going: its checkpoint of step 6 is being written. A plain
     and an elastic job refuse alike, before anything there is touched."""
@@ -205,7 +206,7 @@ def test_resume_false_refuses_a_folder_with_a_live_run_and_touches_nothing(tmp_p
     assert folder_bytes(out) == before
 
 
-@pytest.mark.parametrize("launcher", ["plain", "elastic"])
+@pytest.mark.parametrize("launcher", ["plain", pytest.param("elastic", marks=pytest.mark.deep)])
 def test_no_intact_checkpoint_is_refused_naming_what_was_set_aside(tmp_path, tiny_config, launcher):
     """Every checkpoint damaged: the run is not restarted at step 0 into the same metrics.jsonl;
     the same command says so again (the checkpoints stay set aside)."""

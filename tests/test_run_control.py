@@ -113,7 +113,7 @@ def worker_pid(rank: int, out_dir) -> int:
     raise AssertionError(f"no worker of rank {rank} training into {out_dir}")
 
 
-@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+@pytest.mark.parametrize("controller", ["gloo", pytest.param("mpi", marks=pytest.mark.deep)])
 def test_a_worker_stopped_from_outside_ends_the_job_naming_its_rank(tmp_path, tiny_config, controller):
     """SIGSTOP to rank 1 mid-run: rank 0 waits in a collective that never completes (under MPI
     for ever, under Gloo until its timeout, which hvdtrain sets past the stall timeout)."""

@@ -11,6 +11,7 @@ from helpers import REPO, run_cmd
 pytestmark = pytest.mark.workers
 
 
+@pytest.mark.deep
 def test_a_short_soak_leaves_nothing_behind():
     proc = run_cmd([sys.executable, REPO / "scripts" / "bench_soak.py", "--steps", "200", "--every", "50", "--json"],
                    timeout=600)
