@@ -47,7 +47,16 @@ while true; do sleep 0.05; done
                TMPDIR=str(tmp_path), HOME=str(tmp_path), SSH_DIR=str(keys), HVDTRAIN_TEST_WORKER=str(tmp_path))
     # Its output goes to files: what it leaves running (as a container's kernel would not) keeps pipes open.
     with open(tmp_path / "worker.out", "w") as out, open(tmp_path / "worker.err", "w") as err:
-        return subprocess.Popen([ENTRYPOINT, "worker"], stdout=out, stderr=err, env=env, cwd=REPO)
+        return subprocess.Popen([ENTRYPOINT, "worker"], stdout=out, stderr=err, env=env, cwd=REPO,
+                                preexec_fn=as_container_pid_1)
+
+
+def as_container_pid_1():
+    """SIGINT handled by default, as in a container's first process. pytest started from a
+    background job (`make test &` in a script, nohup) has SIGINT ignored, which its children
+    inherit, and bash cannot trap a signal that was ignored when it started: the entrypoint
+    would never see the SIGINT this test sends."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def wait_for(condition, proc: subprocess.Popen, timeout: float, what: str):
