@@ -233,6 +233,22 @@ def run_on_terminal(args: list, columns: int = 160, timeout: int = 300, env: dic
     return code, text, terminal_screen(text, columns)
 
 
+def assert_one_clean_stream(screen: list[str], raw: str, steps: int, out: Path, columns: int = 160) -> list[str]:
+    """What `hvdtrain launch` on a terminal must show (issue 39): rank 0's lines without the
+    launcher's rank tags, one progress bar at its end, redrawn in place at every log point, and
+    below it the summary line (wrapped at `columns`). Returns the screen's non-empty lines."""
+    lines = [line for line in screen if line]
+    shown = "\n".join(lines)
+    assert "<stdout>" not in shown and "<stderr>" not in shown and "[1," not in shown, shown
+    bars = [i for i, line in enumerate(lines) if line.startswith("train:")]
+    assert len(bars) == 1 and f"{steps}/{steps}" in lines[bars[0]], shown  # one bar, at its end ...
+    assert raw.count("train:") >= 2, raw  # ... drawn more than once, in place
+    summary = "".join(line.ljust(columns) for line in lines[bars[0] + 1:]).rstrip()
+    assert summary.startswith(f"hvdtrain: done: {steps} steps in ") and "tokens/s" in summary, shown
+    assert f"run folder {out}, model in {out / 'hf'}" in summary, shown
+    return lines
+
+
 def terminal_screen(text: str, columns: int) -> list[str]:
     """The lines a terminal shows for `text`: carriage returns, line feeds, wrapping at `columns`,
     and the cursor-up and erase-line sequences that tqdm writes."""

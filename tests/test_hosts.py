@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import BIN, assert_same_losses, assert_same_params, hvdtrain, run_cmd, step_losses, write_config
+from helpers import (BIN, assert_one_clean_stream, assert_same_losses, assert_same_params, hvdtrain, run_cmd,
+                     run_on_terminal, step_losses, write_config)
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 pytestmark = [
@@ -129,9 +130,13 @@ def test_two_hosts_over_ssh_train_like_one_host(tmp_path, hosts, one_host_run, c
     cache_of_host_2.mkdir()
     hosts.start("127.0.0.2", {cache: cache_of_host_2})
     run = tmp_path / "run"
-    proc = hvdtrain("launch", f"--{controller}", "-np", "2", "-H", "127.0.0.1:1,127.0.0.2:1", *hosts.launch_args,
-                    config, f"out_dir={run}", f"data.cache_dir={cache}", env=hosts.env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    # On a terminal, as a user launches it: rank 0 one clean stream under its bar (issue 39).
+    code, raw, screen = run_on_terminal([BIN / "hvdtrain", "launch", f"--{controller}", "-np", "2",
+                                         "-H", "127.0.0.1:1,127.0.0.2:1", *hosts.launch_args, config,
+                                         f"out_dir={run}", f"data.cache_dir={cache}", "log.progress=true"],
+                                        env=hosts.env)
+    assert code == 0, "\n".join(screen)
+    assert_one_clean_stream(screen, raw, 6, run)
     assert_same_losses(step_losses(reference), step_losses(run))
     assert_same_params(hf_params(reference), hf_params(run), atol=1e-5)
     # Each host prepared the data (tokenizer, packed blocks) in its own cache.
