@@ -16,6 +16,7 @@ from hvdtrain.parallel import pipeline
 from hvdtrain.config import ModelConfig
 from hvdtrain.errors import UserError
 from hvdtrain.models.common import Vocab, build_model, model_blueprint
+from hvdtrain.parallel.sharded_weights import materialise_slices
 
 VOCAB = Vocab(size=100, pad_id=0)
 SEQ = 16
@@ -61,6 +62,34 @@ def test_every_layout_starts_from_the_unsplit_model_s_weights_and_buffers(arch, 
         assert_equal_tensors(reference, {**stage.state_dict(), **dict(stage.named_buffers())})
         held |= set(stage.state_dict())
     assert held == set(whole.state_dict())
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "modernbert"])
+@pytest.mark.parametrize("stage", [None, 0, 1])
+@pytest.mark.parametrize("level,dtype", [("full", torch.float32), ("gradients", torch.bfloat16)])
+def test_sharded_copies_build_their_slices_of_the_unsplit_model_s_weights(arch, stage, level, dtype):
+    """parallel.shard (sharded_weights.materialise_slices, a unit at a time): two copies' fp32
+    master slices, put together, are the unsplit model's weights bit for bit (the same draws),
+    with or without stages; the weights hold nothing with "full", else the same values in the
+    compute dtype."""
+    torch.manual_seed(3)
+    reference = dict(build_model(tiny(arch), VOCAB, SEQ).named_parameters(remove_duplicate=False))
+    copies = []
+    for rank in range(2):
+        torch.manual_seed(3)
+        blueprint = model_blueprint(tiny(arch), VOCAB, SEQ)
+        part = blueprint.model
+        if stage is not None:
+            part = pipeline.split_model(part, pipeline.Layout(2, 1, stage, 0), [0, 2, 4])
+        masters = materialise_slices(blueprint, part, rank, 2, dtype, torch.device("cpu"), level)
+        copies.append(({n: masters[id(p)] for n, p in part.named_parameters(remove_duplicate=False)}, part))
+    (first, part), (second, _) = copies
+    assert first
+    assert_equal_tensors(reference, {n: torch.cat([first[n], second[n]]).view(reference[n].shape) for n in first})
+    if level == "full":
+        assert all(p.untyped_storage().nbytes() == 0 for p in part.parameters())
+    else:
+        assert_equal_tensors({n: p.to(dtype) for n, p in reference.items()}, dict(part.named_parameters()))
 
 
 def test_the_buffers_are_the_modules_own_not_empty_memory():
@@ -213,6 +242,22 @@ def test_a_rank_of_two_stages_builds_with_half_the_host_memory(tmp_path):
     for rank in two:
         assert rank["weights"] < 0.51 * one["weights"]
         assert rank["peak_rise"] < 0.5 * one["peak_rise"] + overhead, (one, two)
+
+
+@pytest.mark.workers
+def test_a_fully_sharded_copy_builds_with_its_share_of_the_host_memory(tmp_path):
+    """parallel.shard=full at d=2, 16 layers x 1024 (808 MB of fp32 weights): a copy makes one
+    unit real at a time and keeps its half of the fp32 masters, so its peak rises by about half
+    of one worker's, plus one block; the weights themselves hold nothing."""
+    config = write_config(tmp_path / "config.yaml", {"model": {"n_layer": 16, "n_head": 8, "d_model": 1024},
+                                                     "train": {"grad_accum": 4}})
+    [one] = build_workers(1, config, tmp_path / "p1", memory_only=True)
+    two = build_workers(2, config, tmp_path / "p2", "parallel.shard=full", memory_only=True)
+    assert one["weights"] > 800e6 and one["peak_rise"] > 0.9 * one["weights"]
+    block, overhead = one["weights"] / 16, 0.1 * one["peak_rise"]
+    for rank in two:
+        assert rank["weights"] < 1e6 and abs(rank["masters"] - one["weights"] / 2) < 0.01 * one["weights"]
+        assert rank["peak_rise"] < 0.5 * one["peak_rise"] + block + overhead, (one, two)
 
 
 @pytest.mark.workers

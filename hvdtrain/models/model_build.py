@@ -22,7 +22,10 @@ model is built. So a model is built in three steps (`Blueprint`):
    seeded by (seed, the module's qualified name) on the CPU, where the part is made. A weight's
    initial value then depends only on its name and the seed, not on which other layers the
    rank holds: every pipeline layout starts from the unsplit model's weights, bit for bit, and
-   every parameter has the distribution its transformers class gives it.
+   every parameter has the distribution its transformers class gives it. With groups of
+   parameters (a sharded model's units, hvdtrain.parallel.sharded_weights.materialise_slices)
+   one group at a time is made real, filled and handed over, the others on meta meanwhile:
+   the same values, one group's memory.
 
 `startup_peak_bytes` measures what building one rank's part costs in host memory (for
 `hvdtrain bench memory`).
@@ -91,20 +94,38 @@ class Blueprint:
         # its source): also recorded before a split, which may take either module away.
         self.tie_targets = [_slot(self.model, name) for name in getattr(self.model, "all_tied_weights_keys", {})]
 
-    def materialise(self, part: nn.Module) -> nn.Module:
-        """Give `part` (blueprint.model or a part of it) real, filled parameters; returns it."""
+    def materialise(self, part: nn.Module, groups: list[list[nn.Parameter]] = (),
+                    take: Callable[[list[nn.Parameter]], None] | None = None) -> nn.Module:
+        """Give `part` (blueprint.model or a part of it) real, filled parameters; returns it.
+
+        `groups` (of `part`'s parameters, while still on meta) and `take`: each group is made
+        real and filled apart, the other groups' parameters on meta meanwhile (as a pipeline
+        stage's missing layers are), and handed to `take`, which keeps what it needs of them
+        and gives their storage back before the next group is made (full sharding: this copy's
+        master slices, hvdtrain.parallel.sharded_weights.materialise_slices); the parameters in no
+        group come last, together, and stay as they are made. A group's values are the same as
+        when the part is made at once (each module's draws are its own), and at most one group
+        is whole on the host at a time."""
         kept = {id(p): p for p in part.parameters()}  # the meta parameters, held until replaced
+        slots = [(module, key, p) for _, module, _ in self.modules
+                 for key, p in module._parameters.items() if p is not None and id(p) in kept]
+        grouped = [[id(p) for p in group if id(p) in kept] for group in groups]
+        rest = set(kept).difference(*map(set, grouped))
         made = {}  # id of a kept meta parameter -> its real one: a tied parameter stays one tensor
-        for _, module, _ in self.modules:
-            for key, p in module._parameters.items():
-                if p is not None and id(p) in kept:
-                    if id(p) not in made:
-                        made[id(p)] = nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
-                    module._parameters[key] = made[id(p)]
-        if self.weights is not None:
-            load_part(part, self.weights, self.aliases, self.saved_rows)
-        else:
-            self._initialise()
+        for index, ids in enumerate([*grouped, [i for i in kept if i in rest]]):
+            new = {i: nn.Parameter(torch.empty_like(kept[i], device="cpu"), requires_grad=kept[i].requires_grad)
+                   for i in ids if i not in made}  # a parameter in two groups (a tie) is the first's
+            made.update(new)
+            for module, key, p in slots:  # this group real, every other one on meta for its filling
+                module._parameters[key] = new.get(id(p), p)
+            if self.weights is not None:
+                load_part(part, self.weights, self.aliases, self.saved_rows)
+            else:
+                self._initialise()
+            if take is not None and index < len(grouped):
+                take(list(new.values()))
+        for module, key, p in slots:
+            module._parameters[key] = made[id(p)]
         self.modules, self.children, self.tie_targets = [], {}, []  # the modules the part does not hold can go now
         return part
 
@@ -200,7 +221,8 @@ def load_part(part: nn.Module, folder: Path, aliases: dict[str, list[str]], save
 
     files = safetensors_files(folder)
     prefix = part.base_model_prefix  # a PreTrainedModel's, or the one a pipeline stage copies
-    targets = part.state_dict(keep_vars=True)
+    # the tensors made real (materialise's groups: the others wait on the meta device)
+    targets = {name: t for name, t in part.state_dict(keep_vars=True).items() if not t.is_meta}
     by_file: dict[Path, list[tuple[str, str]]] = {}
     for name in targets:
         candidates = [name, *aliases.get(name, [])]

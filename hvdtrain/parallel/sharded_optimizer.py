@@ -144,13 +144,16 @@ class ShardedOptimizer:
 
     def __init__(self, model: torch.nn.Module, train_cfg, peak_lr: float, device: torch.device, horovod_cfg,
                  backward_passes: int, rank: int, size: int, process_set=None, reduce_during: bool = True,
-                 compute_dtype: torch.dtype = torch.float32, not_counted=(), level: str = "optimizer"):
+                 compute_dtype: torch.dtype = torch.float32, not_counted=(), level: str = "optimizer",
+                 masters: dict[int, torch.Tensor] | None = None):
         """`rank` of `size`: this copy among those that reduce the model's gradients, the Horovod
         `process_set` (default: all workers). `backward_passes`: micro batches per step.
         `compute_dtype`: the weights' dtype (bfloat16: the weights are cast, fp32 masters kept).
         `not_counted`: parameters left out of the global norm (a pipeline's tied copy).
         `level`: parallel.shard, "optimizer", "gradients" or "full" (whose weights this class
-        does not gather: hvdtrain.parallel.sharded_weights does, from the masters)."""
+        does not gather: hvdtrain.parallel.sharded_weights does, from the masters).
+        `masters`: this copy's fp32 slices by id(parameter), where the build made only those
+        (sharded_weights.materialise_slices); the others are taken from the weights."""
         self.model, self.rank, self.size, self.level = model, rank, size, level
         # ZeRO-2 and 3: every micro batch's gradients are reduce-scattered, not only the last's
         self.every_pass = level in ("gradients", "full")
@@ -165,9 +168,11 @@ class ShardedOptimizer:
             if not p.requires_grad:
                 continue
             start, end = shard_range(p.numel(), rank, size)
-            own = p.detach().view(-1)[start:end]
-            # fp32 weights kept whole: the master slice is a view into them; else its own copy
-            master = own if compute_dtype == torch.float32 and level != "full" else own.float().clone()
+            if masters and id(p) in masters:
+                master = masters[id(p)]
+            else:  # fp32 weights kept whole: the master slice is a view into them; else its own copy
+                own = p.detach().view(-1)[start:end]
+                master = own if compute_dtype == torch.float32 and level != "full" else own.float().clone()
             self.slices.append(_Slice(name, p, start, end, master))
         if compute_dtype != torch.float32:  # after the masters took the fp32 values
             for s in self.slices:
@@ -357,7 +362,8 @@ class ShardedOptimizer:
     @torch.no_grad()
     def load(self, path, aliases: dict[str, list[str]]):
         """This copy's master slices and optimizer state from a checkpoint of any layout, sharded
-        or not (the model's weights are loaded by checkpoint.load_weights); reads only the
+        or not (the model's weights are loaded by checkpoint.load_weights, except with "full",
+        whose weights the masters are); reads only the
         slices' ranges. `aliases`: the tied names (checkpoint.tie_aliases)."""
         def names(s):
             return [s.name, *aliases.get(s.name, [])]

@@ -31,12 +31,13 @@ rule is the same: a unit is gathered before each use and freed at another unit's
 
 Parameters in no unit (none in hvdtrain's families) stay whole.
 """
+import ctypes
 import warnings
 
 import torch
 
 from hvdtrain.models import family_of
-from hvdtrain.parallel.sharded_optimizer import off_the_wire, on_the_wire
+from hvdtrain.parallel.sharded_optimizer import off_the_wire, on_the_wire, shard_range
 
 # The embeddings' inputs are token ids: their backward pre-hook fires on the outputs' gradients
 # alone, which is what it is for here; torch warns about it on every run.
@@ -75,6 +76,49 @@ def units_of(model: torch.nn.Module) -> list[tuple[str, list[torch.nn.Module]]]:
     units += [(f"block {name}", [block]) for name, block in layers.named_children()]
     units.append(("head", owners(present(parts.last_only))))
     return [(name, modules) for name, modules in units if modules]
+
+
+def materialise_slices(blueprint, model: torch.nn.Module, rank: int, size: int, dtype: torch.dtype,
+                       device: torch.device, level: str) -> dict[int, torch.Tensor]:
+    """The build of a sharded model (parallel.shard `level`, copy `rank` of `size`): `model` (a
+    Blueprint's model or stage, on the meta device) made real one unit at a time
+    (Blueprint.materialise's groups) in fp32 on the host, and each unit, once filled, put where
+    training keeps it before the next is made: this copy's fp32 master slices on `device`
+    (where they are not views into fp32 weights), and the weights there in `dtype`; with "full"
+    the weights hold no values (ShardedWeights gathers them when they are used). Returns the
+    master slices by id(parameter), for the ShardedOptimizer. At most one unit is whole in fp32
+    on the host at a time, and with "full" on the device never: a model larger than the host or
+    the GPU can start. Parameters in no unit, and those not trained, are made whole on the host
+    as without sharding (model.to moves them)."""
+    masters = {}
+
+    def take(params):
+        for p in params:
+            if not p.requires_grad:  # not the optimizer's
+                continue
+            if level == "full" or dtype != torch.float32:  # else the optimizer views the fp32 weights
+                start, end = shard_range(p.numel(), rank, size)
+                masters[id(p)] = p.detach().view(-1)[start:end].to(device, torch.float32, copy=True)
+            if level == "full":
+                p.data = torch.empty(p.shape, dtype=dtype, device=device)
+                p.data.untyped_storage().resize_(0)
+            else:
+                p.data = p.data.to(device, dtype)
+        _trim_host_heap()
+
+    groups = [[p for m in modules for p in m.parameters()] for _, modules in units_of(model)]
+    blueprint.materialise(model, groups, take)
+    return masters
+
+
+def _trim_host_heap():
+    """Give the host memory of the unit just freed back to the system (glibc's malloc_trim).
+    Without it glibc keeps the freed blocks in its heap, and the master slices allocated
+    between them (on a CPU run) fragment it: measured, building 16 x 1024 at d=2 rose by 613
+    MB instead of 447 (403 of them the masters)."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
+    if trim is not None:
+        trim(0)
 
 
 class _Unit:

@@ -49,6 +49,7 @@ from hvdtrain.observe.run_log import RunLog
 from hvdtrain.observe.trackers import Trackers
 from hvdtrain.data.sampler import EvalSampler, StreamSampler, share
 from hvdtrain.parallel.sharded_optimizer import ShardedOptimizer
+from hvdtrain.parallel.sharded_weights import materialise_slices
 from hvdtrain.training.step_engine import PlainStep, build_engine
 from hvdtrain.observe.step_timer import StepTimer
 from hvdtrain.training.training_state import TrainingState, find_resume_checkpoint
@@ -169,7 +170,12 @@ def build_model_and_optimizer(cfg: Config, data: DataBundle, device, grad_accum:
         bounds = pipeline.stage_bounds(model.config.num_hidden_layers, layout.stages, layout.stages_per_rank,
                                        par.layer_boundaries)
         model = pipeline.split_model(model, layout, bounds)
-    blueprint.materialise(model)  # only now real: initialised per module, or read from model.pretrained
+    compute_dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
+    masters = None
+    if par.shard != "none":  # made real a unit at a time, each put where training keeps it (its slices)
+        masters = materialise_slices(blueprint, model, shard, shards, compute_dtype, device, par.shard)
+    else:  # only now real: initialised per module, or read from model.pretrained
+        blueprint.materialise(model)
     model.to(device)
     model.train()
     peak_lr = t.lr * distributed.lr_scale(t.lr_scaling, shards)
@@ -181,9 +187,8 @@ def build_model_and_optimizer(cfg: Config, data: DataBundle, device, grad_accum:
         tied_copy = layout is not None and layout.is_last and not layout.is_first  # not counted in the norm twice
         optimizer = ShardedOptimizer(model, t, peak_lr, device, cfg.horovod, grad_accum, shard, shards,
                                      groups.process_set if groups else None, reduce_during=not reduce_after,
-                                     compute_dtype=torch.bfloat16 if t.precision == "bf16" else torch.float32,
-                                     not_counted=pipeline.tied_parameters(model).values() if tied_copy else (),
-                                     level=par.shard)
+                                     compute_dtype=compute_dtype, level=par.shard, masters=masters,
+                                     not_counted=pipeline.tied_parameters(model).values() if tied_copy else ())
     else:
         optimizer = build_optimizer(model, t, peak_lr, device)
         if not reduce_after:

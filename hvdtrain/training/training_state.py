@@ -121,7 +121,10 @@ class TrainingState:
         elastic job's rollback to its in-memory commit is local: hvdtrain.parallel.elastic.ElasticState.restore.)"""
         saved = None
         if path is not None and (self.world.is_main or self.layout is not None or self.sharded):
-            checkpoint.load_weights(self.model, path, self.aliases)
+            # parallel.shard=full: the weights are the master slices (the optimizer's load); the
+            # model holds no values to load, and its buffers are its constructors'
+            if not (self.sharded and self.optimizer.level == "full"):
+                checkpoint.load_weights(self.model, path, self.aliases)
             if self.sharded:
                 self.optimizer.load(path, self.aliases)
             else:

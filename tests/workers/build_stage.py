@@ -1,7 +1,7 @@
 """Test worker: build this rank's model as `hvdtrain train` does (train.build_model_and_optimizer:
 the whole model, or its pipeline stage), then write OUT_DIR/build_rank{R}.json with the rise of
-the process's peak resident set while building (model_build.PeakRise) and the bytes of what it
-built, and (unless the first argument is `--memory-only`) the built weights as
+the process's peak resident set while building (model_build.PeakRise), the bytes of the weights
+it built and of a sharded optimizer's master slices, and (unless the first argument is `--memory-only`) the built weights as
 OUT_DIR/params_rank{R}.safetensors.
 
     build_stage.py [--memory-only] CONFIG KEY=VALUE..."""
@@ -33,13 +33,18 @@ data = check_data(cfg, world, shards, global_batch, grad_accum)
 transformers.GPT2LMHeadModel, transformers.BertForMaskedLM  # noqa: B018 (imported now, not while measured)
 
 with PeakRise() as peak:
-    model = build_model_and_optimizer(cfg, data, world.device, grad_accum, shards, layout, groups)[0]
+    model, optimizer = build_model_and_optimizer(cfg, data, world.device, grad_accum, shards, layout, groups,
+                                                 shard=layout.dp_rank if layout else world.rank)[:2]
 
 out = Path(cfg.out_dir)
 out.mkdir(parents=True, exist_ok=True)
 state = model.state_dict()
-weights = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in state.values()}.values())  # tied: once
-(out / f"build_rank{world.rank}.json").write_text(json.dumps({"peak_rise": peak.rise, "weights": weights}))
+# the bytes the weights hold (a tied tensor once; none under parallel.shard=full) and the
+# sharded optimizer's own fp32 master slices
+weights = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state.values()}.values())
+masters = sum(s.master.untyped_storage().nbytes() for s in getattr(optimizer, "slices", []) if s.master._base is None)
+(out / f"build_rank{world.rank}.json").write_text(json.dumps({"peak_rise": peak.rise, "weights": weights,
+                                                              "masters": masters}))
 if not memory_only:  # clones: safetensors refuses the two names of one tied tensor
     save_file({k: v.detach().clone() for k, v in state.items()}, str(out / f"params_rank{world.rank}.safetensors"))
 if groups is not None:
