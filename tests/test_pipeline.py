@@ -16,7 +16,7 @@ from helpers import RTOL, WORKERS, horovodrun, run_cmd
 from hvdtrain.parallel import pipeline
 from hvdtrain.config import ModelConfig
 from hvdtrain.errors import UserError
-from hvdtrain.models.common import Vocab, build_model, logits_and_labels
+from hvdtrain.models.common import Vocab, build_model, head_inputs, token_loss_sum
 
 WORKER = WORKERS / "pipeline_step.py"
 # p=2 x dp=1 cases: ARCH-SCHEDULE-REDUCE (see the worker)
@@ -29,6 +29,7 @@ TIED = {"gpt2": ("transformer.wte.weight", "lm_head.weight"),
         "bert": ("bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight"),
         "llama": ("model.embed_tokens.weight", "lm_head.weight"),
         "modernbert": ("model.embeddings.tok_embeddings.weight", "decoder.weight")}
+PROJECTION = {arch: output.removesuffix(".weight") for arch, (_, output) in TIED.items()}  # the output embeddings
 
 
 def launch(np: int, out_dir, stages: int, cases: list[str]):
@@ -163,7 +164,7 @@ def tiny(arch: str, n_layer: int = 4):
 @pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "modernbert"])
 @pytest.mark.parametrize("stages,per_rank", [(2, 1), (2, 2), (4, 1)])
 def test_stages_chained_compute_the_whole_model(arch, stages, per_rank):
-    """Running every rank's chunks in stage order gives the unsplit model's logits (to fp32
+    """Running every rank's chunks in stage order gives the unsplit model's head inputs and loss (to fp32
     rounding: the stages call the blocks themselves, without the whole model's mask handling,
     which may pick other attention kernels; Llama's and ModernBERT's stages each compute the
     rotary embeddings, ModernBERT's also the local attention masks), and the stages' state dicts together are the whole
@@ -179,10 +180,13 @@ def test_stages_chained_compute_the_whole_model(arch, stages, per_rank):
     hidden = ids
     for _, chunk in chunks:
         hidden = chunk(hidden)
-    logits, picked = parts[-1].logits_and_labels(hidden, labels)
-    expected, expected_labels = logits_and_labels(whole, {"input_ids": ids, "labels": labels})
-    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)  # fp32; logits are O(1)
+    features, picked = parts[-1].head_inputs(hidden, labels)
+    expected, expected_labels = head_inputs(whole, {"input_ids": ids, "labels": labels})
+    torch.testing.assert_close(features, expected, rtol=1e-5, atol=1e-6)  # fp32; O(1) values
     assert torch.equal(picked, expected_labels)  # the same positions picked
+    assert parts[-1].output_projection is parts[-1].get_submodule(PROJECTION[arch])
+    loss = pipeline.TokenLoss(parts[-1], 1.0)(hidden, labels)  # in chunks, as the whole model's
+    torch.testing.assert_close(loss, token_loss_sum(whole, {"input_ids": ids, "labels": labels}), rtol=1e-5, atol=0)
 
     names = [name for part in parts for name in part.state_dict()]
     assert sorted(names) == sorted(whole.state_dict())

@@ -9,7 +9,7 @@ import pytest
 from hvdtrain.tools import plan as planmod
 from hvdtrain.config import config_from_dict
 from hvdtrain.errors import UserError
-from hvdtrain.tools.plan import (activation_bytes, exposed_comm_seconds, in_flight, layer_activation_bytes, logits_bytes,
+from hvdtrain.tools.plan import (activation_bytes, exposed_comm_seconds, in_flight, layer_activation_bytes, loss_chunk_bytes,
                            memory_bytes, pipeline_plan, plan, read_step_time, ring_allreduce_seconds, stage_memory,
                            with_stages)
 
@@ -110,18 +110,14 @@ def test_activations_with_and_without_checkpointing():
         12 * (38 * sbh + 7 * 12 * 1024 * 1024 * 8) == 11_324_620_800
 
 
-def test_logits():
-    # b·s·V·(2 bf16 logits + 4 fp32 log-softmax + 8 two fp32 gradients at the loss backward)
-    assert logits_bytes(gpt2_124m(precision="bf16"), 8) == 8 * 1024 * 50257 * 14 == 5_763_874_816
-    assert logits_bytes(gpt2_124m(precision="fp32"), 8) == 8 * 1024 * 50257 * 16
-
-
-def test_bert_logits_only_for_masked_positions():
+def test_bert_loss_chunk_only_for_masked_positions():
     cfg = config_from_dict({"model": {"arch": "bert", "n_layer": 24, "n_head": 16, "d_model": 1024},
                             "data": {"seq_len": 512, "vocab_size": 30522, "mlm_probability": 0.15},
                             "train": {"precision": "bf16"}})
-    # 16·512 positions, 15% of them through the vocabulary: 1228.8 x 30522 x 14 B
-    assert logits_bytes(cfg, 16) == int(1228.8 * 30522 * 14) == 525_076_070
+    # 16·512 positions, 15% of them through the vocabulary: one chunk of all 1228 (2^26 / 30522 =
+    # 2198 rows fit) x 30522 x (2 bf16 logits + 4 their fp32 copy + 4 log-softmax), the head's
+    # fp32 gradient and one chunk's product, grad x (bf16)
+    assert loss_chunk_bytes(cfg, 16) == 1228 * 30522 * 10 + 2 * 30522 * 1024 * 4 + 1228 * 1024 * 2
 
 
 def test_plan_memory_total_and_fit():
@@ -140,25 +136,26 @@ def test_plan_memory_total_and_fit():
 def test_too_big_suggests_pipeline_stages():
     # 3 GiB GPU: budget 2.7 GiB, of which the fixed 1.125 GiB leaves 1,691,143,372.8 B per stage.
     # The fewest stages at micro batch 1, checkpointing, 1f1b with m = p micro batches: the last
-    # stage is the largest (the head's copy of wte and the logits), per stage_memory:
+    # stage is the largest (the head's copy of wte and the loss), per stage_memory:
     #   state: 18 B per layer parameter (16 + the bf16 copy): 7,087,872 x 18 = 127,581,696 per layer;
     #          ln_f + lm_head copy 38,598,912 x 18 = 694,780,416
     #   activations (1 in flight): the layer inputs but the first (the receive buffer) 4·sbh each,
     #          + one layer's 40·sbh = 31,457,280 (sbh = 786,432)
-    #   receive buffers: the 1 activation in flight, 4·sbh = 3,145,728; logits 1024·50257·14 = 720,484,352
-    # p = 4, layers 10-11: 949,943,808 + 34,603,008 + 3,145,728 + 720,484,352 = 1,708,176,896: too big
-    # p = 5, layer 11:     822,362,112 + 31,457,280 + 3,145,728 + 720,484,352 = 1,577,449,472: fits
+    #   receive buffers: the 1 activation in flight, 4·sbh = 3,145,728
+    #   the chunked loss (as one stage's, pipeline.TokenLoss), at micro batch 1 one chunk of all
+    #          1024 positions: 1024·50257·10 + 2·50257·768·4 + 1024·768·2 = 824,983,552
+    # p = 4, layers 10-11: 949,943,808 + 34,603,008 + 3,145,728 + 824,983,552 = 1,812,676,096: too big
+    # p = 5, layer 11:     822,362,112 + 31,457,280 + 3,145,728 + 824,983,552 = 1,681,948,672: fits
     p = plan(gpt2_124m(precision="bf16"), gpus=1, gpu="tiny", gpu_memory_gib=3)
     mem = p["memory"]
-    # one stage at micro batch 1 holds the chunked loss (824,983,552 B), not the 720,484,352 B of logits
-    assert mem["smallest_total"] == 3_028_034_048 - 720_484_352 + 824_983_552 + FIXED
+    assert mem["smallest_total"] == 3_132_533_248 + FIXED  # one stage at micro batch 1, its chunked loss 824,983,552
     assert not mem["fits"]
     assert mem["pipeline_stages"] == 5
     assert "at least 5 pipeline stages (parallel.pipeline_stages; `--pp 5` plans them)" in planmod.format_plan(p)
     cfg = with_stages(gpt2_124m(precision="bf16"), 4)
-    assert stage_memory(cfg, 4, 1, True)[-1]["total"] == 1_708_176_896 + FIXED
-    assert stage_memory(with_stages(cfg, 5), 5, 1, True)[-1]["total"] == 1_577_449_472 + FIXED
-    # 2 GiB (0.675 GiB per stage): the head's copy and the logits alone do not fit on a last stage
+    assert stage_memory(cfg, 4, 1, True)[-1]["total"] == 1_812_676_096 + FIXED
+    assert stage_memory(with_stages(cfg, 5), 5, 1, True)[-1]["total"] == 1_681_948_672 + FIXED
+    # 2 GiB (0.675 GiB per stage): the head's copy and the loss alone do not fit on a last stage
     p = plan(gpt2_124m(precision="bf16"), gpus=1, gpu="tiny", gpu_memory_gib=2)
     assert p["memory"]["pipeline_stages"] is None
     assert "with one layer per pipeline stage the largest stage still does not fit" in planmod.format_plan(p)
@@ -414,7 +411,9 @@ def small_gpt(**sections):
 STATE_0 = 16 * 118_400 + 2 * 99_968   # 2,094,336
 STATE_1 = 16 * 116_480 + 2 * 116_480  # 2,096,640
 BUFFERS = 16_384                      # one gradient received (stage 0); the 1 activation in flight (stage 1)
-LOGITS = 2 * 32 * 256 * 14            # 229,376
+# the chunked loss, one chunk of all 64 positions: logits 64·256·(2 + 4 + 4), the head's fp32
+# gradient and one chunk's product 2·256·64·4, the inputs' gradient 64·64·2
+LOSS = 163_840 + 131_072 + 8_192      # 303,104
 
 
 def test_stage_memory_1f1b_by_hand():
@@ -427,17 +426,18 @@ def test_stage_memory_1f1b_by_hand():
     # stage 1: 2 layers, the first one's input being the receive buffer
     assert ranks[1]["parts"]["activations"] == 2 * 163_840 - 16_384 == 311_296
     assert [r["parts"]["pipeline receive buffers"] for r in ranks] == [BUFFERS, BUFFERS]
-    assert "logits and loss" not in ranks[0]["parts"] and ranks[1]["parts"]["logits and loss"] == LOGITS
+    assert "logits and loss" not in ranks[0]["parts"] and ranks[1]["parts"]["logits and loss"] == LOSS
     assert ranks[0]["total"] == STATE_0 + 688_128 + BUFFERS + GIB == 2_798_848 + GIB
-    assert ranks[1]["total"] == STATE_1 + 311_296 + BUFFERS + LOGITS + GIB == 2_653_696 + GIB
+    assert ranks[1]["total"] == STATE_1 + 311_296 + BUFFERS + LOSS + GIB == 2_727_424 + GIB
 
 
 def test_stage_memory_gpipe_and_checkpointing_by_hand():
     ranks = stage_memory(small_gpt(parallel={"schedule": "gpipe"}), 4, 2, checkpointing=False)
-    # all 4 micro batches in flight; the last stage keeps each waiting loss's fp32 log-softmax
+    # all 4 micro batches in flight; the last stage keeps each waiting loss's gradients (its
+    # inputs' 64·64·2 and the head's fp32 256·64·4)
     assert [r["in_flight"] for r in ranks] == [4, 4]
     assert [r["parts"]["activations"] for r in ranks] == [4 * 344_064, 4 * 311_296]
-    assert ranks[1]["parts"]["logits and loss"] == LOGITS + 3 * 2 * 32 * 256 * 4 == 425_984
+    assert ranks[1]["parts"]["logits and loss"] == LOSS + 3 * (64 * 64 * 2 + 256 * 64 * 4) == 524_288
     ranks = stage_memory(small_gpt(), 4, 2, checkpointing=True)
     # checkpointing: 4·sbh per layer input, plus one layer's activations during its recompute
     assert ranks[0]["parts"]["activations"] == 2 * (2 * 16_384 + 16_384) + 163_840 == 262_144

@@ -124,16 +124,15 @@ def no_layer_inputs(stage, hidden) -> Callable:
 class ModelParts:
     """Where a family's model keeps its parts, and how a pipeline stage
     (hvdtrain.parallel.pipeline.StageModule) is cut from it: the module paths it keeps or drops
-    and the steps around the layers. `embed(stage, input_ids)`, `final_norm(stage, hidden)`,
-    `head_logits(stage, hidden, labels)` and `layer_inputs(stage, hidden)` get the stage, which
-    holds the model's own top-level modules."""
+    and the steps around the layers. `embed(stage, input_ids)`, `final_norm(stage, hidden)`
+    and `layer_inputs(stage, hidden)` get the stage, which holds the model's own top-level
+    modules; the stage's head is the model's output embeddings (after `masked_head`)."""
     body: str                 # path of everything before the output head (e.g. GPT2Model)
     layers: str               # path of the layer ModuleList
     first_only: tuple         # modules only the first stage keeps
     last_only: tuple          # modules only the last stage keeps
     embed: Callable           # input_ids -> hidden states before the first layer
     final_norm: Callable      # hidden states after the last layer -> the head's inputs
-    head_logits: Callable     # -> flat (positions, vocab) logits and their labels
     # -> a function from a layer to the keyword arguments it gets besides the hidden states,
     # computed once per stage from the stage's input (e.g. Llama's rotary position embeddings;
     # ModernBERT's masks and rotary embeddings, which depend on the kind of layer)

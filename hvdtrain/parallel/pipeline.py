@@ -44,7 +44,7 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 
 from hvdtrain.errors import UserError
 from hvdtrain.models import family_of
-from hvdtrain.models.common import IGNORE_INDEX
+from hvdtrain.models.common import linear_cross_entropy_sum, masked_positions
 from hvdtrain.models.ties import tied_names
 # The torch-free arithmetic (split, schedule checks, ideal bubble) lives in pipeline_plan, for
 # `hvdtrain plan`; its names are part of this module's API too.
@@ -187,7 +187,8 @@ class StageModule(nn.Module):
     rank does not own removed. Use it for the optimizer, checkpoints and `.to(device)`.
     `chunks` holds the forward of each pipeline stage the rank runs (layout.stage_ids): the
     first stage maps input_ids to hidden states, the others hidden states to hidden states;
-    the last stage returns the final hidden states, and `logits_and_labels` applies the head.
+    the last stage returns the final hidden states, and `head_inputs` takes them (and the
+    labels) to what the output projection (`output_projection`) sees, for the chunked loss.
 
     `tied` maps names to the parameters that are one tied parameter in the whole model
     (embedding and output matrix) but whose other half lives on another rank: the first stage
@@ -202,6 +203,8 @@ class StageModule(nn.Module):
             raise ValueError(f"{len(bounds)} layer bounds for {layout.num_stages} pipeline stages")
         self.parts = parts = family_of(model).modeling().PARTS
         ties = tied_names(model)
+        projection = model.get_output_embeddings()
+        self.output_projection_name = next(n for n, m in model.named_modules() if m is projection)
         owned = [i for s in layout.stage_ids for i in range(bounds[s], bounds[s + 1])]
         parent, name = self._parent(model, parts.layers)
         layers = getattr(parent, name)
@@ -258,9 +261,18 @@ class StageModule(nn.Module):
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.parts.final_norm(self, hidden)
 
-    def logits_and_labels(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat (positions, vocab) logits and their labels, as models.logits_and_labels."""
-        return self.parts.head_logits(self, hidden, labels)
+    def head_inputs(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last stage: (features, labels) of the output projection, as models.head_inputs:
+        every position of a causal LM; a masked LM's labelled ones, through its head's transform."""
+        if self.parts.masked_head is None:
+            return hidden.flatten(0, 1), labels.flatten()
+        hidden, labels = masked_positions(hidden, {"labels": labels})
+        return self.get_submodule(self.parts.masked_head)(hidden), labels
+
+    @property
+    def output_projection(self) -> nn.Module:
+        """The last stage's vocabulary projection (the model's output embeddings)."""
+        return self.get_submodule(self.output_projection_name)
 
 
 class _Chunk(nn.Module):
@@ -302,9 +314,11 @@ class TokenLoss:
         self.stage, self.scale = stage, scale
 
     def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits, labels = self.stage.logits_and_labels(hidden, labels)
-        loss = nn.functional.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
-        return loss * self.scale
+        # in chunks of positions, as the whole model's loss (models.common.token_loss_sum): a
+        # micro batch's whole logits are never held, in training or in evaluation
+        features, labels = self.stage.head_inputs(hidden, labels)
+        head = self.stage.output_projection
+        return linear_cross_entropy_sum(features, head.weight, head.bias, labels) * self.scale
 
 
 class InFlightStage(PipelineStage):

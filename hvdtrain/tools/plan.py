@@ -140,9 +140,9 @@ LOSS_CHUNK_ELEMENTS = 2 ** 26
 
 
 def loss_chunk_bytes(cfg, micro_batch: int) -> int:
-    """What the chunked loss of the whole model (models.common.token_loss_sum; evaluation's
-    evaluation_sums holds less) allocates beyond the weights and their gradients: one chunk of
-    min(positions, LOSS_CHUNK_ELEMENTS / vocabulary) positions' logits in the activation
+    """What the chunked loss (models.common.token_loss_sum, also a pipeline's last stage's:
+    pipeline.TokenLoss; evaluation's evaluation_sums holds less) allocates beyond the weights
+    and their gradients: one chunk of min(positions, LOSS_CHUNK_ELEMENTS / vocabulary) positions' logits in the activation
     precision and their fp32 log-softmax (turned into the logits' gradient in place), under
     autocast also the fp32 copy of the 16-bit logits it is computed from; the fp32 gradient of
     the head's weight accumulated over the chunks and one chunk's product added to it
@@ -152,19 +152,6 @@ def loss_chunk_bytes(cfg, micro_batch: int) -> int:
     rows = min(positions, max(1, LOSS_CHUNK_ELEMENTS // cfg.data.vocab_size))
     chunk = rows * cfg.data.vocab_size * (elem + 4 + (4 if elem < 4 else 0))
     return chunk + 2 * cfg.data.vocab_size * cfg.model.d_model * 4 + positions * cfg.model.d_model * elem
-
-
-def logits_bytes(cfg, micro_batch: int) -> int:
-    """A pipeline's last stage (parallel.pipeline.TokenLoss computes whole logits; the whole
-    model's loss is chunked: loss_chunk_bytes): the logits and the loss around them, at their
-    peak when backward starts, per position
-    that reaches the vocabulary (all for GPT-2, the masked ones for BERT: head_fraction) and per
-    vocabulary entry: the logits in the activation precision (the training loop still holds
-    them), the fp32 log-softmax that cross-entropy keeps for backward (4 B; the loop upcasts the
-    logits to fp32 for the loss), and the two fp32 gradients of that size that the loss's
-    backward holds together (8 B)."""
-    positions = micro_batch * cfg.data.seq_len * head_fraction(cfg)
-    return int(positions * cfg.data.vocab_size * (_activation_elem(cfg) + 4 + 8))
 
 
 def weight_state_bytes(cfg, n_params: int, matmul_params: float, copies: int = 1) -> dict:
@@ -419,10 +406,10 @@ def stage_memory(cfg, microbatches: int, micro_batch: int, checkpointing: bool, 
       the received activations of the micro batches in flight (all stages but the first; they
       are the inputs kept for the backward) and one received gradient at a time (all but the
       last), each s·b·d values of the residual stream (fp32; bf16 when the weights are bf16);
-    * on the last stage the logits and loss of one micro batch (logits_bytes; one stage:
-      loss_chunk_bytes), and with gpipe
-      the fp32 log-softmax that each of the other m-1 micro batches' losses keeps until its
-      backward (the model's cross-entropy runs on fp32 logits);
+    * on the last stage the chunked loss of one micro batch (loss_chunk_bytes, as without
+      stages: pipeline.TokenLoss), and with gpipe the gradients that each of the other m-1 micro
+      batches' losses keeps until its backward (models.common.LinearCrossEntropySum: its
+      inputs' in the activation precision and the output matrix's in fp32);
     * Horovod's fusion buffer and the CUDA overhead, on every rank.
 
     Each entry: rank, stages (pipeline stage ids), layers ([first, end) per stage), params,
@@ -470,10 +457,8 @@ def stage_memory(cfg, microbatches: int, micro_batch: int, checkpointing: bool, 
             parts["pipeline receive buffers"] = received * boundary
         if n - 1 in ids:
             waiting = (microbatches - 1) if par.schedule.lower() == "gpipe" and p > 1 else 0
-            # One stage is the whole model, whose loss is chunked (PlainStep); a pipeline's last
-            # stage computes its micro batch's whole logits (TokenLoss).
-            loss = logits_bytes(cfg, b) if p > 1 else loss_chunk_bytes(cfg, b)
-            parts["logits and loss"] = loss + int(waiting * logits_positions * cfg.data.vocab_size * 4)
+            kept = int(logits_positions * d * _activation_elem(cfg)) + 4 * cfg.data.vocab_size * d
+            parts["logits and loss"] = loss_chunk_bytes(cfg, b) + waiting * kept
         parts["Horovod fusion buffer"] = fusion_buffer_bytes(cfg)
         parts["CUDA context and workspaces"] = CUDA_OVERHEAD_BYTES
         layers = sum(c["layers"] for c in mine)

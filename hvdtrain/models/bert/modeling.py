@@ -6,7 +6,6 @@ import torch
 
 from hvdtrain.config import ModelConfig
 from hvdtrain.models import ModelParts
-from hvdtrain.models.common import IGNORE_INDEX
 
 
 def model_maker(cfg: ModelConfig, vocab, rows: int, positions: int, d_ff: int) -> Callable[[], torch.nn.Module]:
@@ -31,11 +30,5 @@ def _final_norm(stage, hidden):
     return hidden  # BERT's layers end with their own LayerNorm
 
 
-def _head_logits(stage, hidden, labels):
-    picked = labels != IGNORE_INDEX  # the vocabulary projection on masked positions only
-    return stage.cls(hidden[picked]), labels[picked]
-
-
 PARTS = ModelParts(body="bert", masked_head="cls.predictions.transform", layers="bert.encoder.layer",
-                   first_only=("bert.embeddings",), last_only=("cls",), embed=_embed, final_norm=_final_norm,
-                   head_logits=_head_logits)
+                   first_only=("bert.embeddings",), last_only=("cls",), embed=_embed, final_norm=_final_norm)

@@ -35,11 +35,6 @@ def _final_norm(stage, hidden):
     return stage.transformer.ln_f(hidden)
 
 
-def _head_logits(stage, hidden, labels):
-    return stage.lm_head(hidden).flatten(0, 1), labels.flatten()
-
-
 PARTS = ModelParts(body="transformer", layers="transformer.h",
                    first_only=("transformer.wte", "transformer.wpe"),
-                   last_only=("transformer.ln_f", "lm_head"), embed=_embed, final_norm=_final_norm,
-                   head_logits=_head_logits)
+                   last_only=("transformer.ln_f", "lm_head"), embed=_embed, final_norm=_final_norm)

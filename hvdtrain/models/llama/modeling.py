@@ -43,10 +43,6 @@ def _final_norm(stage, hidden):
     return stage.model.norm(hidden)
 
 
-def _head_logits(stage, hidden, labels):
-    return stage.lm_head(hidden).flatten(0, 1), labels.flatten()
-
-
 PARTS = ModelParts(body="model", layers="model.layers", first_only=("model.embed_tokens",),
                    last_only=("model.norm", "lm_head"), embed=_embed, final_norm=_final_norm,
-                   head_logits=_head_logits, layer_inputs=_layer_inputs)
+                   layer_inputs=_layer_inputs)

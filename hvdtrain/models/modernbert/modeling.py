@@ -7,7 +7,6 @@ import torch
 from hvdtrain.config import ModelConfig
 from hvdtrain.models import ModelParts
 from hvdtrain.models.modernbert import GLOBAL_ATTN_EVERY, GLOBAL_ROPE_THETA, LOCAL_ATTENTION, LOCAL_ROPE_THETA
-from hvdtrain.models.common import IGNORE_INDEX
 
 
 def model_maker(cfg: ModelConfig, vocab, rows: int, positions: int, d_ff: int) -> Callable[[], torch.nn.Module]:
@@ -56,11 +55,6 @@ def _final_norm(stage, hidden):
     return stage.model.final_norm(hidden)
 
 
-def _head_logits(stage, hidden, labels):
-    picked = labels != IGNORE_INDEX  # the vocabulary projection on masked positions only
-    return stage.decoder(stage.head(hidden[picked])), labels[picked]
-
-
 PARTS = ModelParts(body="model", masked_head="head", layers="model.layers", first_only=("model.embeddings",),
                    last_only=("model.final_norm", "head", "decoder"), embed=_embed, final_norm=_final_norm,
-                   head_logits=_head_logits, layer_inputs=_layer_inputs)
+                   layer_inputs=_layer_inputs)
