@@ -76,6 +76,20 @@ def test_a_full_gradient_is_freed_once_its_reduce_scatter_is_done_during_backwar
 
 
 @pytest.mark.workers
+def test_a_backward_that_outruns_its_reduce_scatters_waits_for_them(tiny_config):
+    """ZeRO-2/3 keep at most one fusion buffer's worth of full gradients in flight (the plan's
+    count), not a whole backward's when the reductions lag (one rank slower than the other)."""
+    proc = horovodrun(2, [WORKERS / "sharded_in_flight.py", tiny_config()], timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT " in line]
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    for r in results:
+        assert r["limit"] == 2 ** 19 and r["limited"] <= r["limit"], r
+    fast = next(r for r in results if r["rank"] == 0)
+    assert fast["unlimited"] > 2 * fast["limit"], fast  # without the limit the fast rank runs ahead
+
+
+@pytest.mark.workers
 def test_bf16_computes_in_bf16_weights_with_fp32_masters_within_bf16_tolerance(tmp_path, tiny_config):
     """The sharded bf16 run's model holds bf16 weights (the fp32 masters are sharded), its
     checkpoint the fp32 masters' slices; its losses are today's bf16 path's within bf16 rounding.

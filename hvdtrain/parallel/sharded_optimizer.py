@@ -182,7 +182,11 @@ class ShardedOptimizer:
                                    train_cfg, peak_lr, device, lamb_norms=self._sum_over_copies)
         self._step_supports_amp_scaling = getattr(self.inner, "_step_supports_amp_scaling", False)
         self.by_param = {id(s.param): s for s in self.slices}
-        self.in_flight = deque()  # (slice, handle) of the reduce-scatters started during backward, oldest first
+        self.in_flight = deque()  # (slice, handle, bytes) of the reduce-scatters started during backward, oldest first
+        self.in_flight_bytes = 0  # of the full gradients they hold
+        # ZeRO-2/3: at most one fusion buffer's worth of full gradients in flight (the plan's count)
+        mib = horovod_cfg.fusion_threshold_mb
+        self.in_flight_limit = int(mib * 2 ** 20) if mib else BUCKET_BYTES
         for s in self.slices:
             s.param.register_post_accumulate_grad_hook(partial(self._on_gradient, s))
 
@@ -212,14 +216,21 @@ class ShardedOptimizer:
 
     def _start_reduce(self, s: _Slice, grad: torch.Tensor):
         # Horovod: reduce-scatter, in the background while backward goes on
-        self.in_flight.append((s, hvd.reducescatter_async(grad, name=f"shard.{s.name}.{s.passes}", **self.reduce_args)))
+        handle = hvd.reducescatter_async(grad, name=f"shard.{s.name}.{s.passes}", **self.reduce_args)
+        self.in_flight.append((s, handle, grad.numel() * grad.element_size()))
+        self.in_flight_bytes += self.in_flight[-1][2]
         self._collect_done()
 
     def _collect_done(self, wait: bool = False):
         """Take the reduced slices of the reduce-scatters that are done (all of them with `wait`),
-        oldest first, freeing their full gradients: the slices then take the full gradients' place."""
-        while self.in_flight and (wait or hvd.poll(self.in_flight[0][1])):
-            s, handle = self.in_flight.popleft()
+        oldest first, freeing their full gradients: the slices then take the full gradients' place.
+        With ZeRO-2/3, where no full gradient outlives its reduction otherwise, a backward that
+        outruns the reductions waits here for the oldest until no more than `in_flight_limit`
+        bytes of full gradients remain (as FSDP's rate limit does for its gathers)."""
+        while self.in_flight and (wait or hvd.poll(self.in_flight[0][1])
+                                  or (self.every_pass and self.in_flight_bytes > self.in_flight_limit)):
+            s, handle, nbytes = self.in_flight.popleft()
+            self.in_flight_bytes -= nbytes
             self._take(s, hvd.synchronize(handle))
 
     def _take(self, s: _Slice, reduced: torch.Tensor):
