@@ -63,19 +63,22 @@ def test_sharded_gradients_keep_only_their_slices_beside_the_gradients_in_flight
             assert sum(planmod.weight_state_bytes(cfg, n, 0, copies=d).values()) == per_param(d) * n + in_flight
 
 
-@pytest.mark.parametrize("precision,unit_bytes", [("fp32", 4 * 4 + 4), ("bf16", 4 * 2 + 4)])
+@pytest.mark.parametrize("precision,unit_bytes", [("fp32", 4 * 4), ("bf16", 4 * 2)])
 def test_full_sharding_keeps_16_over_d_and_the_units_in_flight(precision, unit_bytes):
     """ZeRO-3: 16/d per parameter, plus 3 units whole and one arriving, in the weights' dtype
-    (bf16 is gathered as bf16), and one unit's fp32 gradients; GPT-2's largest unit is its
-    embeddings (wte and wpe)."""
+    (bf16 is gathered as bf16), and one unit's fp32 gradients in flight (no more than a fusion
+    buffer's worth); GPT-2's largest unit is its embeddings (wte and wpe)."""
     cfg = config_from_dict({**gpt2_124m(precision=precision).to_dict(), "parallel": {"shard": "full"}})
     unit = planmod.largest_unit_params(cfg)
     assert unit == (50_257 + 1024) * 768
+    small = config_from_dict({**cfg.to_dict(), "horovod": {"fusion_threshold_mb": 1024}})
+    assert planmod.fused_gradient_bytes(small, 1 << 30) == 4 * unit  # one unit's, under a large fusion buffer
     for n in (1 << 27, 1 << 30):
         for d in (1, 8, 64):
             parts = planmod.weight_state_bytes(cfg, n, 0, copies=d)
             assert parts["units in flight (full)"] == unit * unit_bytes
-            in_flight = min(4 * n, 128 * 2 ** 20)
+            in_flight = min(4 * unit, 128 * 2 ** 20)
+            assert parts["full gradients in flight (one unit's)"] == in_flight
             assert sum(parts.values()) == 16 * n // d + unit * unit_bytes + in_flight
 
 
@@ -116,18 +119,18 @@ def test_bert_loss_chunk_only_for_masked_positions():
                             "train": {"precision": "bf16"}})
     # 16·512 positions, 15% of them through the vocabulary: one chunk of all 1228 (2^26 / 30522 =
     # 2198 rows fit) x 30522 x (2 bf16 logits + 4 their fp32 copy + 4 log-softmax), the head's
-    # fp32 gradient and one chunk's product, grad x (bf16)
-    assert loss_chunk_bytes(cfg, 16) == 1228 * 30522 * 10 + 2 * 30522 * 1024 * 4 + 1228 * 1024 * 2
+    # fp32 gradient and one chunk's bf16 product added to it, grad x (bf16)
+    assert loss_chunk_bytes(cfg, 16) == 1228 * 30522 * 10 + 30522 * 1024 * (4 + 2) + 1228 * 1024 * 2
 
 
 def test_plan_memory_total_and_fit():
     p = plan(gpt2_124m(precision="bf16"), gpus=1, gpu="NVIDIA H100 80GB HBM3")
     mem = p["memory"]
     # The chunked loss (loss_chunk_bytes): 1335 positions x 50257 x (2 bf16 logits + 4 their fp32
-    # copy + 4 log-softmax), the head's fp32 gradient and one chunk's product, grad x (bf16)
-    loss = 1335 * 50257 * 10 + 2 * 50257 * 768 * 4 + 8 * 1024 * 768 * 2
+    # copy + 4 log-softmax), the head's fp32 gradient and one chunk's bf16 product, grad x (bf16)
+    loss = 1335 * 50257 * 10 + 50257 * 768 * (4 + 2) + 8 * 1024 * 768 * 2
     total = 16 * N_124M + 2 * 123_653_376 + 3_019_898_880 + loss + FIXED
-    assert mem["total"] == total == 7_458_494_982
+    assert mem["total"] == total == 7_381_300_230
     assert mem["budget"] == 0.9 * 80 * GIB
     assert mem["fits"] and mem["pipeline_stages"] is None
     assert mem["total_with_checkpointing"] == total - 3_019_898_880 + 553_648_128
@@ -143,18 +146,18 @@ def test_too_big_suggests_pipeline_stages():
     #          + one layer's 40·sbh = 31,457,280 (sbh = 786,432)
     #   receive buffers: the 1 activation in flight, 4·sbh = 3,145,728
     #   the chunked loss (as one stage's, pipeline.TokenLoss), at micro batch 1 one chunk of all
-    #          1024 positions: 1024·50257·10 + 2·50257·768·4 + 1024·768·2 = 824,983,552
-    # p = 4, layers 10-11: 949,943,808 + 34,603,008 + 3,145,728 + 824,983,552 = 1,812,676,096: too big
-    # p = 5, layer 11:     822,362,112 + 31,457,280 + 3,145,728 + 824,983,552 = 1,681,948,672: fits
+    #          1024 positions: 1024·50257·10 + 50257·768·(4 + 2) + 1024·768·2 = 747,788,800
+    # p = 4, layers 10-11: 949,943,808 + 34,603,008 + 3,145,728 + 747,788,800 = 1,735,481,344: too big
+    # p = 5, layer 11:     822,362,112 + 31,457,280 + 3,145,728 + 747,788,800 = 1,604,753,920: fits
     p = plan(gpt2_124m(precision="bf16"), gpus=1, gpu="tiny", gpu_memory_gib=3)
     mem = p["memory"]
-    assert mem["smallest_total"] == 3_132_533_248 + FIXED  # one stage at micro batch 1, its chunked loss 824,983,552
+    assert mem["smallest_total"] == 3_055_338_496 + FIXED  # one stage at micro batch 1, its chunked loss 747,788,800
     assert not mem["fits"]
     assert mem["pipeline_stages"] == 5
     assert "at least 5 pipeline stages (parallel.pipeline_stages; `--pp 5` plans them)" in planmod.format_plan(p)
     cfg = with_stages(gpt2_124m(precision="bf16"), 4)
-    assert stage_memory(cfg, 4, 1, True)[-1]["total"] == 1_812_676_096 + FIXED
-    assert stage_memory(with_stages(cfg, 5), 5, 1, True)[-1]["total"] == 1_681_948_672 + FIXED
+    assert stage_memory(cfg, 4, 1, True)[-1]["total"] == 1_735_481_344 + FIXED
+    assert stage_memory(with_stages(cfg, 5), 5, 1, True)[-1]["total"] == 1_604_753_920 + FIXED
     # 2 GiB (0.675 GiB per stage): the head's copy and the loss alone do not fit on a last stage
     p = plan(gpt2_124m(precision="bf16"), gpus=1, gpu="tiny", gpu_memory_gib=2)
     assert p["memory"]["pipeline_stages"] is None
@@ -234,10 +237,10 @@ def test_mfu_in_scaling_uses_the_gpu_peak():
 
 def test_target_global_batch_largest_micro_batch():
     # per GPU 64 samples; micro 64 needs 16·N + copies + 64·12·40·786,432 + the chunked loss
-    # (1335·50257·10 + 2·50257·768·4 + 64·1024·768·2 = 1,080,373,254) + fixed = 28,685,867,526 B
+    # (1335·50257·10 + 50257·768·(4 + 2) + 64·1024·768·2 = 1,003,178,502) + fixed = 28,608,672,774 B
     t = plan(gpt2_124m(precision="bf16"), gpus=8, gpu="H100", target_global_batch=512)["target"]
     assert (t["micro_batch"], t["grad_accum"], t["checkpointing"]) == (64, 1, False)
-    assert t["total"] == 28_685_867_526
+    assert t["total"] == 28_608_672_774
     # 1024: micro 128 needs 52,945,721,862 B = 49.3 GiB <= 72 GiB
     t = plan(gpt2_124m(precision="bf16"), gpus=8, gpu="H100", target_global_batch=1024)["target"]
     assert (t["micro_batch"], t["grad_accum"]) == (128, 1)
@@ -412,8 +415,8 @@ STATE_0 = 16 * 118_400 + 2 * 99_968   # 2,094,336
 STATE_1 = 16 * 116_480 + 2 * 116_480  # 2,096,640
 BUFFERS = 16_384                      # one gradient received (stage 0); the 1 activation in flight (stage 1)
 # the chunked loss, one chunk of all 64 positions: logits 64·256·(2 + 4 + 4), the head's fp32
-# gradient and one chunk's product 2·256·64·4, the inputs' gradient 64·64·2
-LOSS = 163_840 + 131_072 + 8_192      # 303,104
+# gradient and one chunk's bf16 product added to it 256·64·(4 + 2), the inputs' gradient 64·64·2
+LOSS = 163_840 + 98_304 + 8_192       # 270,336
 
 
 def test_stage_memory_1f1b_by_hand():
@@ -428,7 +431,7 @@ def test_stage_memory_1f1b_by_hand():
     assert [r["parts"]["pipeline receive buffers"] for r in ranks] == [BUFFERS, BUFFERS]
     assert "logits and loss" not in ranks[0]["parts"] and ranks[1]["parts"]["logits and loss"] == LOSS
     assert ranks[0]["total"] == STATE_0 + 688_128 + BUFFERS + GIB == 2_798_848 + GIB
-    assert ranks[1]["total"] == STATE_1 + 311_296 + BUFFERS + LOSS + GIB == 2_727_424 + GIB
+    assert ranks[1]["total"] == STATE_1 + 311_296 + BUFFERS + LOSS + GIB == 2_694_656 + GIB
 
 
 def test_stage_memory_gpipe_and_checkpointing_by_hand():
@@ -437,7 +440,7 @@ def test_stage_memory_gpipe_and_checkpointing_by_hand():
     # inputs' 64·64·2 and the head's fp32 256·64·4)
     assert [r["in_flight"] for r in ranks] == [4, 4]
     assert [r["parts"]["activations"] for r in ranks] == [4 * 344_064, 4 * 311_296]
-    assert ranks[1]["parts"]["logits and loss"] == LOSS + 3 * (64 * 64 * 2 + 256 * 64 * 4) == 524_288
+    assert ranks[1]["parts"]["logits and loss"] == LOSS + 3 * (64 * 64 * 2 + 256 * 64 * 4) == 491_520
     ranks = stage_memory(small_gpt(), 4, 2, checkpointing=True)
     # checkpointing: 4·sbh per layer input, plus one layer's activations during its recompute
     assert ranks[0]["parts"]["activations"] == 2 * (2 * 16_384 + 16_384) + 163_840 == 262_144

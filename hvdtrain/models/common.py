@@ -305,10 +305,12 @@ class LinearCrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        # Scaled in place, not copied: these gradients were made for this one backward (a
+        # second backward through the same graph, retain_graph, would see them scaled twice).
         grad_x, grad_w, grad_b = ctx.saved_tensors
         w_dtype, b_dtype = ctx.weight_dtypes
-        return (grad_x * grad_loss.to(grad_x.dtype), (grad_w * grad_loss).to(w_dtype),
-                (grad_b * grad_loss).to(b_dtype) if ctx.has_bias else None, None, None, None, None)
+        return (grad_x.mul_(grad_loss.to(grad_x.dtype)), grad_w.mul_(grad_loss).to(w_dtype),
+                grad_b.mul_(grad_loss).to(b_dtype) if ctx.has_bias else None, None, None, None, None)
 
 
 def _softmax_cross_entropy_chunk(logits: torch.Tensor, targets: torch.Tensor, grads: bool):
@@ -361,7 +363,10 @@ def _chunked_forward(x, weight, bias, targets, rows, dtype, chunk, grads: bool, 
                 keep = (ts != IGNORE_INDEX).unsqueeze(1).to(dtype)
                 grad = grad.to(dtype)
                 grad_x[start:start + rows] = (grad @ wc) * keep
-                grad_w.add_(grad.t() @ (xs * keep))
+                if dtype == torch.float32:  # accumulated in place: no vocabulary x d_model temporary
+                    grad_w.addmm_(grad.t(), xs * keep)
+                else:  # a 16-bit product, added in fp32
+                    grad_w.add_(grad.t() @ (xs * keep))
                 if grad_b is not None:
                     grad_b.add_((keep.t() @ grad).squeeze(0))
             del grad

@@ -54,17 +54,22 @@ def run_overrides(args, level: str, out_dir: Path) -> list[str]:
 
 def predicted(cfg, copies: int, device: str) -> dict:
     """The plan's bytes per worker: the optimizer's parts (moments, master weights) and the
-    total; on a CPU without the CUDA overhead and, sharded, with one fusion buffer more: the
-    working memory of Gloo's reduce-scatter (which NCCL's, the plan's, does not have), measured
-    as the peak's excess over the plan falling with horovod.fusion_threshold_mb (d=4: 144 MiB at
-    the default 128 MiB, 34 MiB at 32 MiB; docs/memory.md)."""
+    total. On a CPU without the CUDA overhead, with the fusion buffer resident only as far as a
+    reduction writes it (Horovod allocates it whole on a GPU, as the plan counts it, but a CPU's
+    pages become resident when written: `plan.fused_gradient_bytes`), and, sharded over more
+    than one worker, as much again: the working memory of Gloo's reduce-scatter (which NCCL's,
+    the plan's, does not have), measured as the peak's excess over the plan falling with
+    horovod.fusion_threshold_mb (d=4: 144 MiB at the default 128 MiB, 34 MiB at 32 MiB), and
+    absent from one worker's peak (docs/memory.md)."""
     from hvdtrain.tools import plan
     parts = plan.memory_bytes(cfg, cfg.train.micro_batch_size, cfg.model.activation_checkpointing,
                               copies=copies)["parts"]
     if device != "cuda":
         parts.pop("CUDA context and workspaces")
-        if cfg.parallel.shard != "none":
-            parts["Gloo reduce-scatter working memory"] = plan.fusion_buffer_bytes(cfg)
+        written = plan.fused_gradient_bytes(cfg, plan.count_params(**plan.model_dims(cfg)))
+        parts["Horovod fusion buffer"] = min(parts["Horovod fusion buffer"], written)
+        if cfg.parallel.shard != "none" and copies > 1:
+            parts["Gloo reduce-scatter working memory"] = written
     optimizer = sum(v for k, v in parts.items() if k.startswith(("optimizer state", "master weights")))
     return {"optimizer_bytes": optimizer, "peak_bytes": sum(parts.values())}
 

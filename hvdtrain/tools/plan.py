@@ -21,7 +21,8 @@ Four estimates, each plain arithmetic on the config (no torch, no GPU):
    place, and live beside them only while their reduce-scatters are in flight (at most one
    fusion buffer's worth, divided by d). "gradients" keeps only fp32 gradient slices 4/d
    (4 + 12/d, bf16 2 + 16/d) plus the full gradients in flight (a fusion buffer); "full" the
-   master slices too (16/d) plus the units whole at a time (largest_unit_params).
+   master slices too (16/d) plus the units whole at a time (largest_unit_params) and one unit's
+   full gradients in flight (`fused_gradient_bytes`).
 2. Step time on N GPUs from a measured 1-worker step time and a ring-allreduce model
    (`ring_allreduce_seconds`) overlapped with backward (`exposed_comm_seconds`).
 3. The micro batch and accumulation that keep a target global batch on N GPUs, or, when the
@@ -145,13 +146,15 @@ def loss_chunk_bytes(cfg, micro_batch: int) -> int:
     and their gradients: one chunk of min(positions, LOSS_CHUNK_ELEMENTS / vocabulary) positions' logits in the activation
     precision and their fp32 log-softmax (turned into the logits' gradient in place), under
     autocast also the fp32 copy of the 16-bit logits it is computed from; the fp32 gradient of
-    the head's weight accumulated over the chunks and one chunk's product added to it
-    (2 x vocabulary x d_model x 4 B); the gradient of its inputs, kept for backward."""
+    the head's weight accumulated over the chunks (vocabulary x d_model x 4 B; in fp32 in place,
+    in 16 bits with one chunk's 16-bit product added to it); the gradient of its inputs, kept
+    for backward."""
     elem = _activation_elem(cfg)
     positions = int(micro_batch * cfg.data.seq_len * head_fraction(cfg))
     rows = min(positions, max(1, LOSS_CHUNK_ELEMENTS // cfg.data.vocab_size))
     chunk = rows * cfg.data.vocab_size * (elem + 4 + (4 if elem < 4 else 0))
-    return chunk + 2 * cfg.data.vocab_size * cfg.model.d_model * 4 + positions * cfg.model.d_model * elem
+    grad_w = cfg.data.vocab_size * cfg.model.d_model * (4 + (elem if elem < 4 else 0))
+    return chunk + grad_w + positions * cfg.model.d_model * elem
 
 
 def weight_state_bytes(cfg, n_params: int, matmul_params: float, copies: int = 1) -> dict:
@@ -177,17 +180,15 @@ def weight_state_bytes(cfg, n_params: int, matmul_params: float, copies: int = 1
             # Horovod allreduces an fp16 copy of each gradient, made when the gradient is ready.
             parts["fp16-compressed gradients"] = 2 * n_params
         return parts
-    # The full gradients of the reductions in flight beside their slices (with fusion off, the
-    # reduce-scatters after backward still go in buckets of Horovod's default size).
-    in_flight = min(fusion_buffer_bytes(cfg) or HOROVOD_FUSION_DEFAULT_MIB * MIB, 4 * n_params)
+    in_flight = fused_gradient_bytes(cfg, n_params)
     sharded = f"sharded 1/{copies}"
     parts = {}
     if level == "full":
-        # The units whole at a time (sharded_weights): the one running, the next arriving and the
-        # one before until it is freed, and the arriving one's allgather output, all in the
-        # weights' dtype; the full fp32 gradients of one unit until their reduce-scatters are done.
+        # The units whole at a time (sharded_weights), in the weights' dtype: at a unit's hook
+        # the one before (until it is freed), this one and its allgather output being copied
+        # in, then the next one arriving.
         unit = min(largest_unit_params(cfg), n_params)
-        parts["units in flight (full)"] = unit * (4 * (2 if bf16 else 4) + 4)
+        parts["units in flight (full)"] = unit * 4 * (2 if bf16 else 4)
         parts[f"master weights (fp32, {sharded})"] = 4 * n_params // copies
     elif bf16:
         parts["parameters (bf16)"] = 2 * n_params
@@ -199,11 +200,24 @@ def weight_state_bytes(cfg, n_params: int, matmul_params: float, copies: int = 1
         parts[f"reduce-scatter outputs in flight (1/{copies} of a fusion buffer)"] = in_flight // copies
     else:  # every micro batch's gradients reduce-scattered into slices that accumulate
         parts[f"gradient slices (fp32, {sharded})"] = 4 * n_params // copies
-        parts["full gradients in flight (a fusion buffer)"] = in_flight
+        batch = "one unit's" if level == "full" else "a fusion buffer"
+        parts[f"full gradients in flight ({batch})"] = in_flight
     parts[f"optimizer state ({opt}, {sharded})"] = 8 * n_params // copies
     if cfg.train.precision == "fp16" and level != "full":
         parts["autocast 16-bit weight copies"] = 2 * int(matmul_params)
     return parts
+
+
+def fused_gradient_bytes(cfg, n_params: int) -> int:
+    """The full fp32 gradients whose reductions are in flight at a time: a fusion buffer's worth
+    (Horovod's default size with fusion off: the reduce-scatters after backward still go in
+    buckets), at most all of them; with parallel.shard=full at most one unit's, reduce-scattered
+    as the unit's backward ends while the one before it is gathered (measured on the CPU, where
+    the fusion buffer is resident only as far as it is written: `bench memory`)."""
+    batch = min(fusion_buffer_bytes(cfg) or HOROVOD_FUSION_DEFAULT_MIB * MIB, 4 * n_params)
+    if cfg.parallel.shard == "full":
+        batch = min(batch, 4 * largest_unit_params(cfg))
+    return batch
 
 
 def largest_unit_params(cfg) -> int:
