@@ -161,6 +161,9 @@ SWITCHES = {
     "HVDTRAIN_COMPILE_SCOPE": ("blocks", "body"),
     # torch.compile's mode: reduce-overhead adds CUDA graphs (fewer kernel launches).
     "HVDTRAIN_COMPILE_MODE": ("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
+    # parallel.shard=full: start the next unit's allgather while this one computes, or gather
+    # each unit only when it is used (what the prefetch hides, measured against it).
+    "HVDTRAIN_PREFETCH": ("on", "off"),
 }
 
 

@@ -37,6 +37,7 @@ import warnings
 import torch
 
 from hvdtrain.models import family_of
+from hvdtrain.models.common import switch
 from hvdtrain.parallel.sharded_optimizer import off_the_wire, on_the_wire, shard_range
 
 # The embeddings' inputs are token ids: their backward pre-hook fires on the outputs' gradients
@@ -142,6 +143,7 @@ class ShardedWeights:
             covered.update(params)
             self.units.append(_Unit(len(self.units), name, modules, [by_param[i] for i in params]))
         self.holders = {id(s.param): 0 for u in self.units for s in u.slices}  # units holding each gathered
+        self.prefetch = switch("HVDTRAIN_PREFETCH") == "on"
         for s in optimizer.slices:
             if id(s.param) in covered:
                 s.param.data.untyped_storage().resize_(0)
@@ -166,7 +168,7 @@ class ShardedWeights:
         for other in self.units:
             if other is not unit and other.index != nxt:
                 self._free(other)
-        if 0 <= nxt < len(self.units):
+        if self.prefetch and 0 <= nxt < len(self.units):
             self._start(self.units[nxt])
 
     # ------------------------------------------------------------ gather and free
