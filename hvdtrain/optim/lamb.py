@@ -57,51 +57,63 @@ class Lamb(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         for group in self.param_groups:
-            waiting = []  # (p, update, take) whose trust ratio needs the norms of other ranks' slices
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                update, take = self._adam_update(p, group)
-                if group["weight_decay"] == 0:  # no decay, no trust ratio (FusedLAMB, use_nvlamb=False)
-                    p.sub_(update * (group["lr"] * take))
-                    continue
-                update.add_(p, alpha=group["weight_decay"])
-                if self.norms_across_shards is None:
-                    p.sub_(update * (group["lr"] * _trust(p.norm(), update.norm()) * take))
-                else:
-                    waiting.append((p, update, take))
-            if waiting:
-                squares = torch.stack([torch.stack([p.square().sum(), u.square().sum()]) for p, u, _ in waiting])
-                norms = self.norms_across_shards(squares).sqrt()
-                for (p, update, take), (w_norm, u_norm) in zip(waiting, norms):
-                    p.sub_(update * (group["lr"] * _trust(w_norm, u_norm) * take))
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            updates, take = self._adam_updates(params, group)
+            if group["weight_decay"] == 0:  # no decay, no trust ratio (FusedLAMB, use_nvlamb=False)
+                scale = -group["lr"] * take
+            else:
+                torch._foreach_add_(updates, params, alpha=group["weight_decay"])
+                norms = torch.stack([torch.stack(torch._foreach_norm(params)),
+                                     torch.stack(torch._foreach_norm(updates))], dim=1)
+                if self.norms_across_shards is not None:  # the norms of the whole parameters
+                    norms = self.norms_across_shards(norms.square()).sqrt()
+                scale = (-group["lr"] * take * _trust(norms[:, 0], norms[:, 1])).unbind()
+            torch._foreach_mul_(updates, scale)
+            torch._foreach_add_(params, updates)
         return loss
 
-    def _adam_update(self, p, group) -> tuple[torch.Tensor, torch.Tensor | float]:
-        """Advance p's moments; returns Adam's bias-corrected update and `take` (see below)."""
+    def _adam_updates(self, params: list, group) -> tuple[list, torch.Tensor | float]:
+        """Advance the moments of `params`; returns Adam's bias-corrected updates and `take` (see
+        below). Every tensor of the group at once (torch._foreach_*): a kernel per operation on a
+        GPU, not one per parameter and operation."""
         beta1, beta2 = group["betas"]
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            state["exp_avg"] = torch.zeros_like(p)
-            state["exp_avg_sq"] = torch.zeros_like(p)
-        grad = p.grad if self.grad_scale is None else p.grad / self.grad_scale
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            state["step"] = state["step"].to(p.device)  # a resumed state has it on the CPU
+        steps = [self.state[p]["step"] for p in params]
+        m = [self.state[p]["exp_avg"] for p in params]
+        v = [self.state[p]["exp_avg_sq"] for p in params]
+        grads = [p.grad for p in params]
+        if self.grad_scale is not None:
+            grads = torch._foreach_div(grads, self.grad_scale)
         # take = 1, or 0 for a skipped step: the moments then keep their values
         # (beta 1, nothing added) and so do the step count and the parameter. A
         # GradScaler's found_inf is a sum over devices, so any non-zero value skips.
-        take = 1.0 if self.found_inf is None else (self.found_inf.to(p.device) == 0).float()
+        take = 1.0
         if self.found_inf is not None:
-            grad = torch.where(take > 0, grad, 0.0)  # inf or NaN times 0 would still be NaN
-        state["step"] = state["step"].to(p.device)  # a resumed state has it on the CPU
-        t = state["step"].add_(take)
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        m.mul_(1 - (1 - beta1) * take).add_(grad, alpha=1 - beta1)
-        v.mul_(1 - (1 - beta2) * take).addcmul_(grad, grad, value=1 - beta2)
+            take = (self.found_inf.to(params[0].device) == 0).float()
+            grads = [torch.where(take > 0, g, 0.0) for g in grads]  # inf or NaN times 0 would still be NaN
+        torch._foreach_add_(steps, take)
+        torch._foreach_mul_(m, 1 - (1 - beta1) * take)
+        torch._foreach_add_(m, grads, alpha=1 - beta1)
+        torch._foreach_mul_(v, 1 - (1 - beta2) * take)
+        torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
         # A skipped first step leaves t = 0, where the bias corrections 1 - beta^0 would be
         # 0 and the update 0/0 = NaN, which no factor 0 removes. With m = v = 0 the update is
         # 0 for any t >= 1, so the corrections take t >= 1.
-        t = t.clamp(min=1)
-        return (m / (1 - beta1 ** t)) / ((v / (1 - beta2 ** t)).sqrt_().add_(group["eps"])), take
+        t = torch.stack(steps).clamp(min=1)
+        updates = torch._foreach_div(m, (1 - beta1 ** t).unbind())
+        denominators = torch._foreach_div(v, (1 - beta2 ** t).unbind())
+        torch._foreach_sqrt_(denominators)
+        torch._foreach_add_(denominators, group["eps"])
+        torch._foreach_div_(updates, denominators)
+        return updates, take
 
 
 def _trust(w_norm: torch.Tensor, u_norm: torch.Tensor) -> torch.Tensor:
