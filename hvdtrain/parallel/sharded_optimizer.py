@@ -60,7 +60,8 @@ weights in a forward pre-hook; not done here).
 backward pass, not only the last; each pass's full gradient (bf16: its fp32 copy) is released
 to Horovod at once and freed when its reduction is done, and the reduced slices accumulate in
 the masters' `.grad` over the step: 4 + 12/d bytes per parameter, bf16 2 + 16/d, plus the
-reductions in flight. A pipeline that reduces after its runs reduces after each run
+reductions in flight, at most one fusion buffer's worth (`in_flight_limit`): a backward that
+outruns them waits for the oldest. A pipeline that reduces after its runs reduces after each run
 (`reduce_run`, called by the step engine). `full` (ZeRO-3) reduces the same way; its masters are
 copies, the weights' only home, gathered unit by unit by hvdtrain.parallel.sharded_weights, so
 `step` allgathers nothing.
