@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Every GPU figure issue 15 asks for, in one call on a lent GPU machine, within a time budget.
+"""Every GPU figure issues 15 and 33 ask for, in one call on a lent GPU machine, within a time budget.
 
 The machine (one H200: Python 3.12, torch 2.11 CUDA 13, NCCL from the nvidia-nccl pip wheel,
 16 cores) has no network, so what it lacks travels in the git-ignored folder .gpu-carry/:
@@ -21,10 +21,15 @@ is skipped when less than its minimum is left, so the last ones may not run:
   doctor           hvdtrain doctor
   compare-gpt2     bench compare gpt2-small (B=16, T=1024): hvdtrain vs plain, eager and compiled,
                    and hvdtrain with log.step_breakdown=false (the breakdown's cost)
-  train-gpt2       hvdtrain train gpt2-small, 1 GPU, 300 steps on synthetic data: metrics.jsonl
   compare-bert     bench compare bert-large (B=128, T=128), and hvdtrain with AdamW instead of LAMB
+  compare-llama1b  bench compare llama-1b compiled, micro batch 16 x 2048 without activation
+                   checkpointing (64 GiB in the plan: the plain loop's logits fit beside it)
+  memory-d1        bench memory --copies 1: every sharding level's peak GPU memory against the plan
+  train-gpt2       hvdtrain train gpt2-small, 1 GPU, 300 steps on synthetic data: metrics.jsonl
   switches-gpt2    hvdtrain compiled with each speed switch (hvdtrain.models.common.SWITCHES)
   hf-compiled      hf_baseline.py compiled (GPT-2, BERT-large)
+A second call with --only NAME,... on the still-warm machine runs the stages the first one skipped
+(Horovod stays installed there).
 A compare cut short by its time limit still reports the windows it finished.
 Everything lands in $OUT (or --out): log.txt (all output), summary.json (every parsed figure),
 gpt2-small-metrics.jsonl, hf-eager/bench.json, hf-compiled/bench.json; the last lines printed
@@ -63,6 +68,10 @@ PIP_PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--platfor
 GPT2 = ["recipes/gpt2-small.yaml", "train.global_batch_size=null", "train.grad_accum=1"]  # B=16 x 1024
 BERT = ["recipes/bert-large.yaml", "train.global_batch_size=null", "train.grad_accum=1",
         "train.micro_batch_size=128"]  # B=128 x 128, as hf_baseline.py
+# Micro batch 16 x 2048 without activation checkpointing: 64 GiB in `hvdtrain plan recipes/llama-1b.yaml
+# --gpus 1 --gpu H200`, room for the plain loop's full-vocabulary logits beside it.
+LLAMA = ["recipes/llama-1b.yaml", "train.global_batch_size=null", "train.grad_accum=1",
+         "train.micro_batch_size=16", "model.activation_checkpointing=false"]
 TRAIN_STEPS = 300
 
 
@@ -72,7 +81,7 @@ class Stage:
     argv: list  # the command, run in the repository
     max_s: int  # its own time limit
     min_s: int  # skipped when less than this is left
-    kind: str = "run"  # run | compare | train | hf: what parse() reads from it
+    kind: str = "run"  # run | compare | memory | train | hf: what parse() reads from it
     extra: dict = field(default_factory=dict)
     env: dict = field(default_factory=dict)
     beside: list = field(default_factory=list)  # stages run one after another on cores 0-1 meanwhile
@@ -98,16 +107,19 @@ def stages(carry: Path, out: Path, work: Path) -> list[Stage]:
                           sys.executable, "--cache-dir", str(carry / "cache"), "--no-hvdtrain", "--no-apt",
                           "--jobs", str(build_cores())], 300, 60,
               env={"PIP_NO_INDEX": "1", "HOROVOD_BUILD_CUDA_CC_LIST": "90"}, beside=[hf_eager, tests]),
-        Stage("doctor", hvdtrain("doctor"), 60, 10),
+        Stage("doctor", hvdtrain("doctor"), 30, 10),
         Stage("compare-gpt2", hvdtrain("bench", "compare", *GPT2, "--vary", "log.step_breakdown=false",
-                                       "--steps", "20", "--windows", "2", "--json"), 300, 60, "compare"),
+                                       "--steps", "20", "--windows", "1", "--json"), 200, 60, "compare"),
+        Stage("compare-bert", hvdtrain("bench", "compare", *BERT, "--vary", "train.optimizer=adamw",
+                                       "--steps", "10", "--windows", "1", "--json"), 170, 60, "compare"),
+        Stage("compare-llama1b", hvdtrain("bench", "compare", *LLAMA, "--compile", "on",
+                                          "--steps", "4", "--windows", "1", "--json"), 170, 60, "compare"),
+        Stage("memory-d1", hvdtrain("bench", "memory", "--copies", "1", "--steps", "2", "--json"), 120, 40, "memory"),
         Stage("train-gpt2", hvdtrain("train", *GPT2, "data.source=synthetic", f"train.max_steps={TRAIN_STEPS}",
                                      "train.warmup_steps=30", "log.every=10", "log.progress=false",
                                      "log.tensorboard=false", "eval.every=100", "eval.batches=4",
                                      "checkpoint.every=0", "checkpoint.resume=false", f"out_dir={run_dir}"),
               240, 45, "train", {"run_dir": run_dir, "copy_to": out / "gpt2-small-metrics.jsonl"}),
-        Stage("compare-bert", hvdtrain("bench", "compare", *BERT, "--vary", "train.optimizer=adamw",
-                                       "--steps", "10", "--windows", "1", "--json"), 300, 60, "compare"),
         Stage("switches-gpt2", hvdtrain("bench", "compare", *GPT2, "--loops", "hvdtrain", "--compile", "on",
                                         "--vary", "env:HVDTRAIN_LOSS=logits,compiled",
                                         "--vary", "env:HVDTRAIN_COMPILE_SCOPE=body",
@@ -302,11 +314,11 @@ class Runner:
 def parse(stage: Stage, output: str) -> dict:
     """The figures a stage printed or wrote."""
     lines = [line for line in output.splitlines() if line.strip()]
-    if stage.kind == "compare":
+    if stage.kind in ("compare", "memory"):
         for line in reversed(lines):
             if line.startswith("{"):
                 try:
-                    return {"result": json.loads(line)}
+                    return {"result" if stage.kind == "compare" else "memory": json.loads(line)}
                 except json.JSONDecodeError:
                     break
         return {}
@@ -367,6 +379,12 @@ def summary_table(results: dict) -> list[str]:
                              f"{side['peak_memory_bytes'] / 2**30:6.2f} GiB")
             for ratio in result["ratios"]:
                 lines.append(f"   ratio {ratio['side']} / {ratio['reference']}: {ratio['ratio']:.3f}")
+        if r.get("memory"):
+            lines.append(f"-- {name}: per level at d=1, peak (plan) and optimizer state (plan), MiB")
+            for row in r["memory"]["rows"]:
+                p = row["predicted"]
+                lines.append(f"   {row['level']:<12}{row['peak_bytes'] / 2**20:>10.1f} ({p['peak_bytes'] / 2**20:.1f}) "
+                             f"{row['optimizer_bytes'] / 2**20:>10.1f} ({p['optimizer_bytes'] / 2**20:.1f})")
         if "mean" in r:
             m = r["mean"]
             lines.append(f"-- {name}: {r['steps']} steps, mean after the first interval: "
