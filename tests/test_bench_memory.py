@@ -47,3 +47,16 @@ def test_every_level_s_peak_at_one_two_and_four_copies_is_the_plan_s():
         assert row["optimizer_bytes"] == pytest.approx(row["predicted"]["optimizer_bytes"], rel=0.01), key
         assert row["peak_bytes"] == pytest.approx(row["predicted"]["peak_bytes"], rel=0.10), (key, row)
     assert rows[4, "full"]["peak_bytes"] <= 0.5 * rows[4, "none"]["peak_bytes"]
+
+
+def test_the_plan_it_compares_with_leaves_out_the_cuda_context_that_neither_measure_sees(tmp_path):
+    """A GPU's max_memory_allocated counts PyTorch's tensors only, a CPU's RSS has no CUDA: the
+    compared plan is memory_bytes less its CUDA context, on either device."""
+    from hvdtrain.config import load_config
+    from hvdtrain.tools import bench_memory, plan
+
+    cfg = load_config(write_config(tmp_path / "config.yaml", {}), [])
+    parts = plan.memory_bytes(cfg, cfg.train.micro_batch_size, cfg.model.activation_checkpointing, copies=1)["parts"]
+    on_gpu = bench_memory.predicted(cfg, 1, "cuda")["peak_bytes"]
+    assert on_gpu == sum(parts.values()) - parts["CUDA context and workspaces"]
+    assert bench_memory.predicted(cfg, 1, "cpu")["peak_bytes"] <= on_gpu

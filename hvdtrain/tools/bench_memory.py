@@ -40,7 +40,7 @@ DEFAULT_OVERRIDES = ["data.source=synthetic", "data.tokenizer=train", "data.hub_
                      "train.micro_batch_size=1", "train.grad_accum=1", "train.global_batch_size=null",
                      "train.precision=fp32", "model.compile=false", "model.dropout=0.0"]
 MIB = 2 ** 20
-CPU_PLAN = ", without the CUDA overhead, sharded with Gloo's reduce-scatter working memory"
+CPU_PLAN = ", sharded with Gloo's reduce-scatter working memory"
 
 
 LEVELS = ("none", "optimizer", "gradients", "full")
@@ -54,18 +54,20 @@ def run_overrides(args, level: str, out_dir: Path) -> list[str]:
 
 def predicted(cfg, copies: int, device: str) -> dict:
     """The plan's bytes per worker: the optimizer's parts (moments, master weights) and the
-    total. On a CPU without the CUDA overhead, with the fusion buffer resident only as far as a
-    reduction writes it (Horovod allocates it whole on a GPU, as the plan counts it, but a CPU's
-    pages become resident when written: `plan.fused_gradient_bytes`), and, sharded over more
-    than one worker, as much again: the working memory of Gloo's reduce-scatter (which NCCL's,
-    the plan's, does not have), measured as the peak's excess over the plan falling with
-    horovod.fusion_threshold_mb (d=4: 144 MiB at the default 128 MiB, 34 MiB at 32 MiB), and
-    absent from one worker's peak (docs/memory.md)."""
+    total, without the CUDA context and workspaces, which neither measure sees (a GPU's
+    max_memory_allocated counts PyTorch's tensors alone; measured on one H200 at d=1, every
+    level's peak was 0.57-0.61 of the plan with them and 0.93-0.97 without). On a CPU also
+    with the fusion buffer resident only as far as a reduction writes it (Horovod allocates it
+    whole on a GPU, as the plan counts it, but a CPU's pages become resident when written:
+    `plan.fused_gradient_bytes`), and, sharded over more than one worker, as much again: the
+    working memory of Gloo's reduce-scatter (which NCCL's, the plan's, does not have), measured
+    as the peak's excess over the plan falling with horovod.fusion_threshold_mb (d=4: 144 MiB
+    at the default 128 MiB, 34 MiB at 32 MiB), and absent from one worker's peak (docs/memory.md)."""
     from hvdtrain.tools import plan
     parts = plan.memory_bytes(cfg, cfg.train.micro_batch_size, cfg.model.activation_checkpointing,
                               copies=copies)["parts"]
+    parts.pop("CUDA context and workspaces")
     if device != "cuda":
-        parts.pop("CUDA context and workspaces")
         written = plan.fused_gradient_bytes(cfg, plan.count_params(**plan.model_dims(cfg)))
         parts["Horovod fusion buffer"] = min(parts["Horovod fusion buffer"], written)
         if cfg.parallel.shard != "none" and copies > 1:
@@ -126,7 +128,7 @@ def print_result(result: dict):
               else "peak RSS over the RSS before set-up")
     print(f"memory: {result['config']} {' '.join(result['overrides'])}\n"
           f"  per worker, the largest of the d workers; {memory}; plan: hvdtrain.tools.plan.memory_bytes for the same "
-          f"config and d{'' if rows[0]['device'] == 'cuda' else CPU_PLAN}")
+          f"config and d, without the CUDA context{'' if rows[0]['device'] == 'cuda' else CPU_PLAN}")
     print(f"  {'d':>3} {'shard':>9} {'optimizer state':>16} {'plan':>10} {'ratio':>6} {'peak':>12} {'plan':>12} "
           f"{'ratio':>6}")
     for r in rows:
