@@ -164,6 +164,10 @@ SWITCHES = {
     # parallel.shard=full: start the next unit's allgather while this one computes, or gather
     # each unit only when it is used (what the prefetch hides, measured against it).
     "HVDTRAIN_PREFETCH": ("on", "off"),
+    # Pipeline stages: receive buffers for the micro batches in flight (parallel.pipeline.
+    # InFlightStage), or torch's PipelineStage, which keeps one per micro batch of a run (what
+    # the bounded buffers save, measured against it by `bench pipeline`).
+    "HVDTRAIN_STAGE": ("in-flight", "torch"),
 }
 
 

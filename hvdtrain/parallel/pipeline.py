@@ -44,7 +44,7 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 
 from hvdtrain.errors import UserError
 from hvdtrain.models import family_of
-from hvdtrain.models.common import linear_cross_entropy_sum, masked_positions
+from hvdtrain.models.common import linear_cross_entropy_sum, masked_positions, switch
 from hvdtrain.models.ties import tied_names
 # The torch-free arithmetic (split, schedule checks, ideal bubble) lives in pipeline_plan, for
 # `hvdtrain plan`; its names are part of this module's API too.
@@ -419,7 +419,8 @@ def build_schedule(stage: StageModule, layout: Layout, groups: Groups, name: str
     or evaluation) must have the same shape."""
     check_schedule(name, layout.stages, layout.stages_per_rank, n_microbatches)
     loss = TokenLoss(stage, loss_scale)
-    stages = [InFlightStage(chunk, s, layout.num_stages, device, group=groups.pipeline)
+    stage_class = InFlightStage if switch("HVDTRAIN_STAGE") == "in-flight" else PipelineStage
+    stages = [stage_class(chunk, s, layout.num_stages, device, group=groups.pipeline)
               for s, chunk in zip(layout.stage_ids, stage.chunks)]
     stage_arg = stages if name.lower() in INTERLEAVED else stages[0]  # multi- or single-stage class
     schedule = get_schedule_class(name)(stage_arg, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)
