@@ -5,24 +5,13 @@ reduce_gradients, their full gradients must be gone and their reduced slices tak
 JSON line per rank. argv: CONFIG DTYPE (float32 or bfloat16)."""
 import json
 import sys
-import time
 
 import horovod.torch as hvd
 import torch
 
 from hvdtrain.config import load_config
 from hvdtrain.parallel.sharded_optimizer import ShardedOptimizer
-
-
-class SlowBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(1.0)  # the later layers' reduce-scatters finish during this
-        return grad
+from slow_backward import SlowBackward  # beside this file
 
 
 hvd.init()
@@ -33,7 +22,7 @@ first, later = torch.nn.Linear(64, 64), torch.nn.Sequential(torch.nn.Linear(64, 
 model = torch.nn.Sequential(first, later)
 optimizer = ShardedOptimizer(model, cfg.train, 1e-3, torch.device("cpu"), cfg.horovod, backward_passes=1,
                              rank=hvd.rank(), size=hvd.size(), compute_dtype=dtype)
-loss = later(SlowBackward.apply(first(torch.randn(8, 64, dtype=dtype)))).float().square().mean()
+loss = later(SlowBackward.apply(first(torch.randn(8, 64, dtype=dtype)), 1.0)).float().square().mean()
 loss.backward()
 later_slices = [optimizer.by_param[id(p)] for p in later.parameters()]
 freed = all(s.param.grad is None and s.main_grad is None for s in later_slices)
