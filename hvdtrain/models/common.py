@@ -371,7 +371,8 @@ def _chunked_forward(x, weight, bias, targets, rows, dtype, chunk, grads: bool, 
                 grad = grad.to(dtype)
                 grad_x[start:start + rows] = (grad @ wc) * keep
                 if dtype == torch.float32:  # accumulated in place: no vocabulary x d_model temporary
-                    grad_w.addmm_(grad.t(), xs * keep)
+                    # (addmm with out=, not addmm_: FLOP counters such as torch's count aten.addmm)
+                    torch.addmm(grad_w, grad.t(), xs * keep, out=grad_w)
                 else:  # a 16-bit product, added in fp32
                     grad_w.add_(grad.t() @ (xs * keep))
                 if grad_b is not None:
