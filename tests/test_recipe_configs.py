@@ -1,5 +1,7 @@
 """Every recipe in recipes/ loads (its `base` chain, keys and values), and the pipelined ones
 are what their comments say (no workers: fast)."""
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -121,3 +123,14 @@ def test_gpt3_175b_recipe_fits_256_gpus_of_80_gb_in_16_stages_sharded():
         other = load_config(str(RECIPES[0].parent / "gpt3-175b.yaml"), [f"parallel.shard={level}"])
         fitting = [r["stages"] for r in plan(other, gpus=256, gpu="H100")["pipeline"]["rows"] if r.get("fits")]
         assert (min(fitting) if fitting else None) == smallest_fitting, (level, fitting)
+
+
+def test_the_fit_table_in_the_docs_is_the_plans():
+    """docs/memory.md's table of Llama 3 8B / 70B and GPT-3 175B per sharding level is what
+    scripts/fit_table.py computes from the plan today: a change to the plan's terms shows here
+    until the table is made again."""
+    root = RECIPES[0].parent.parent
+    made = subprocess.run([sys.executable, "scripts/fit_table.py"], cwd=root, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert made.count("\n") == 25  # a header, a rule, 3 models x 2 GPUs x 4 levels
+    assert made in (root / "docs" / "memory.md").read_text()
