@@ -14,7 +14,10 @@ and the output projection, with a masked LM's transform). Module hooks on the un
                          the block's backward, after this hook: the block is already there.
     (after backward)     the gradients are the ShardedOptimizer's: each parameter's
                          reduce-scattered from its post-accumulate-grad hook, as soon as its
-                         backward ends, and the full gradient freed (as with "gradients")
+                         backward ends, and the full gradient freed (as with "gradients");
+                         Horovod's tensor fusion runs them about one collective per unit
+                         (measured, docs/memory.md), without holding a unit's gradients
+                         until its last one is complete, as a grouped reduce-scatter would
                          `free_all` once the micro batch's backward (or an evaluation) is done
 
 A gather is one Horovod grouped allgather of the unit's master slices (async: its handle is
