@@ -2,6 +2,7 @@
 optimizer state is the plan's to the byte, halved by sharding over 2 workers; full sharding's
 peak below the unsharded one."""
 import json
+import os
 
 import pytest
 
@@ -24,6 +25,29 @@ def test_sharding_over_two_workers_halves_the_optimizer_state_and_full_sharding_
         assert row["peak_bytes"] > row["optimizer_bytes"]
     assert rows["optimizer"]["optimizer_bytes"] == pytest.approx(rows["none"]["optimizer_bytes"] / 2, rel=0.01)
     assert rows["full"]["peak_bytes"] < rows["none"]["peak_bytes"]
+
+
+@pytest.mark.workers
+def test_a_failing_worker_shows_its_own_error_once(tmp_path):
+    """Rank 1 raises at its first log point (a sitecustomize on the workers' path, which wraps the
+    benchmark's sampling), where rank 0 then fails on the collective rank 1 left: the user sees
+    rank 1's error, as `hvdtrain launch` shows it, and not rank 0's echo of it."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('HOROVOD_RANK') == '1':\n"
+        "    from hvdtrain.tools import bench_common\n"
+        "    original = bench_common.train_sampling\n"
+        "    def fail(setup, peak_bytes):\n"
+        "        raise RuntimeError('rank one fails here')\n"
+        "    bench_common.train_sampling = lambda cfg, sample: original(cfg, fail)\n")
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = hvdtrain("bench", "memory", write_config(tmp_path / "c.yaml", TINY), "--copies", "2", "--levels", "none",
+                    "--steps", "1", env=env, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    shown = proc.stderr.split("\n", 1)[1]  # below the horovodrun command it prints
+    assert shown.startswith("hvdtrain: worker 1 failed:\nTraceback"), shown[-3000:]
+    assert shown.count("RuntimeError: rank one fails here") == 1, shown[-3000:]
+    assert "[0]" not in shown and "worker 0" not in shown, shown[-3000:]
 
 
 def test_bad_copies_are_one_line(tmp_path):

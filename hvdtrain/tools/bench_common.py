@@ -1,9 +1,18 @@
-"""What the benchmark commands share: option parsing, the tag of a worker's result line,
-this process's memory from /proc, and a training run sampled at every log point. No torch
-import at the top (the CLI imports the benchmarks)."""
+"""What the benchmark commands share: option parsing, the workers' start through horovodrun
+and the tag of their result lines, this process's memory from /proc, and a training run
+sampled at every log point. No torch import at the top (the CLI imports the benchmarks)."""
+import argparse
+import io
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from hvdtrain.errors import UserError
+from hvdtrain.launching import launch
+from hvdtrain.launching.relay import Relay
+from hvdtrain.observe.progress import LAUNCHED
 
 RESULT_TAG = "hvdtrain-bench-result: "  # marks the line a benchmark worker reports its result on
 
@@ -16,6 +25,35 @@ def parse_ints(text: str, what: str) -> list[int]:
     if not values or min(values) < 1:
         raise UserError(f"{what}: expected comma-separated integers >= 1, got '{text}'")
     return values
+
+
+def run_workers(workers: int, name: str, config: str, overrides: list[str], threads: int) -> list[dict]:
+    """`workers` ranks of `bench _NAME-worker CONFIG OVERRIDES` through horovodrun (Gloo, this
+    host), started as `hvdtrain launch` starts them, each with `threads` compute threads; their
+    result lines (RESULT_TAG), by rank. When a worker fails, what the user sees is what `hvdtrain
+    launch` would show (hvdtrain.launching.relay): the failing worker's own error once, not the
+    others' echoes of it; the benchmark ends with that exit code."""
+    ns = argparse.Namespace(np=workers, hosts=None, controller="gloo", network_interface=None, start_timeout=None,
+                            horovodrun_args=[])
+    cmd = launch.horovodrun_command(ns, ["bench", f"_{name}-worker", config, *overrides])
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), OMPI_MCA_mpi_yield_when_idle="1",
+               **{LAUNCHED: "1"})
+    # A fixed mmap threshold (glibc's initial 128 KiB): large tensors are then always mapped and
+    # unmapped, so the resident size follows what is live. With glibc's default dynamic threshold
+    # freed activations stay in the heap, and the peak RSS grows with the number of micro batches
+    # a step allocates rather than with what they keep (measured with `bench pipeline`: +30 MiB on
+    # the last stage from m=2 to m=16 without it, +2 MiB with it).
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+    print(f"OMP_NUM_THREADS={threads} MALLOC_MMAP_THRESHOLD_={env['MALLOC_MMAP_THRESHOLD_']} {' '.join(cmd)}",
+          file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    reports = [json.loads(line.split(RESULT_TAG, 1)[1]) for line in proc.stdout.splitlines() if RESULT_TAG in line]
+    if proc.returncode or len(reports) != workers:
+        relay = Relay([], workers, out=io.StringIO())  # rank 0's progress is not the benchmark's output
+        for line in proc.stdout.splitlines(keepends=True):
+            relay.feed(line)
+        raise SystemExit(relay.finish(proc.returncode or 1) or 1)
+    return sorted(reports, key=lambda r: r["rank"])
 
 
 def proc_status_bytes(field: str) -> int:

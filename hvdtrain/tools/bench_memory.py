@@ -19,16 +19,11 @@ next to the plan's prediction for the same config and d (hvdtrain.tools.plan.mem
 optimizer's parts, and the total; on a CPU, see `predicted`) and their ratio.
 The default recipe is a GPT of 12 layers x 768 whose state dominates its memory.
 """
-import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from hvdtrain.launching import launch
-from hvdtrain.tools.bench_common import RESULT_TAG, add_worker_parser, parse_ints, train_sampling
+from hvdtrain.tools.bench_common import RESULT_TAG, add_worker_parser, parse_ints, run_workers, train_sampling
 from hvdtrain.config import load_config
 from hvdtrain.errors import UserError
 
@@ -76,21 +71,6 @@ def predicted(cfg, copies: int, device: str) -> dict:
     return {"optimizer_bytes": optimizer, "peak_bytes": sum(parts.values())}
 
 
-def one_run(args, config: str, overrides: list[str], copies: int) -> list[dict]:
-    ns = argparse.Namespace(np=copies, hosts=None, controller="gloo", network_interface=None, start_timeout=None,
-                            horovodrun_args=[])
-    cmd = launch.horovodrun_command(ns, ["bench", "_memory-worker", config, *overrides])
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), OMPI_MCA_mpi_yield_when_idle="1")
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # see bench_pipeline.one_run
-    print(f"OMP_NUM_THREADS={args.threads} {' '.join(cmd)}", file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    reports = [json.loads(line.split(RESULT_TAG, 1)[1]) for line in proc.stdout.splitlines() if RESULT_TAG in line]
-    if proc.returncode or len(reports) != copies:
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
-        raise SystemExit(proc.returncode or 1)
-    return sorted(reports, key=lambda r: r["rank"])
-
-
 def run_memory_bench(args) -> int:
     config, overrides = args.config, args.overrides
     if config is not None and "=" in config and not Path(config).is_file():
@@ -108,7 +88,8 @@ def run_memory_bench(args) -> int:
         layouts = [(d, level) for d in copies for level in levels]
         cfgs = {key: load_config(config, [*overrides, *run_overrides(args, key[1], Path(tmp))]) for key in layouts}
         for d, level in layouts:  # every config checked above, before any run starts
-            reports = one_run(args, config, [*overrides, *run_overrides(args, level, Path(tmp) / f"d{d}-{level}")], d)
+            own = run_overrides(args, level, Path(tmp) / f"d{d}-{level}")
+            reports = run_workers(d, "memory", config, [*overrides, *own], args.threads)
             expected = predicted(cfgs[d, level], d, reports[0]["device"])
             worst = max(reports, key=lambda r: r["peak_bytes"])
             rows.append({"copies": d, "level": level, "device": reports[0]["device"],

@@ -33,25 +33,21 @@ torch.cuda.max_memory_allocated (its statistics reset once set-up is done, so th
 stage's parameters and optimizer state, the activations and the pipeline's buffers); on a CPU the
 peak resident set size (VmHWM, reset after set-up) less the resident size before set-up (the
 libraries): what the data, the stage, its optimizer state, its activations and buffers added
-(the workers run with glibc's mmap threshold fixed, see one_run, so that RSS follows live memory).
+(the workers run with glibc's mmap threshold fixed, see bench_common.run_workers, so that RSS follows live memory).
 Set-up is left out: it is measured by `python -m hvdtrain.tools.startup_memory` (each rank
 builds only its stage). The peak is read at each log point, before
 the final evaluation, checkpoint and (rank 0 of a pipeline) the whole model rebuilt for the
 run's Hugging Face folder.
 """
-import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from hvdtrain.launching import launch
 from hvdtrain.observe import metrics
 from hvdtrain.tools import report
-from hvdtrain.tools.bench_common import RESULT_TAG, add_worker_parser, parse_ints, train_sampling
+from hvdtrain.tools.bench_common import RESULT_TAG, add_worker_parser, parse_ints, run_workers, train_sampling
 from hvdtrain.config import load_config
 from hvdtrain.errors import UserError
 from hvdtrain.parallel.pipeline_plan import ideal_bubble
@@ -97,31 +93,9 @@ def run_overrides(args, stages: int, m: int, out_dir: Path) -> list[str]:
     return fixed
 
 
-def one_run(args, config: str, overrides: list[str]) -> list[dict]:
-    """Start --stages workers through horovodrun on `bench _pipeline-worker`; their reports."""
-    ns = argparse.Namespace(np=args.stages, hosts=None, controller="gloo", network_interface=None,
-                            start_timeout=None, horovodrun_args=[])
-    cmd = launch.horovodrun_command(ns, ["bench", "_pipeline-worker", config, *overrides])
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), OMPI_MCA_mpi_yield_when_idle="1")
-    # A fixed mmap threshold (glibc's initial 128 KiB): large tensors are then always mapped and
-    # unmapped, so the resident size follows what is live. With glibc's default dynamic threshold
-    # freed activations stay in the heap, and the peak RSS grows with the number of micro batches
-    # a step allocates rather than with what they keep (measured here: +30 MiB on the last stage
-    # from m=2 to m=16 without it, +2 MiB with it).
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
-    print(f"OMP_NUM_THREADS={args.threads} MALLOC_MMAP_THRESHOLD_={env['MALLOC_MMAP_THRESHOLD_']} "
-          f"{' '.join(cmd)}", file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    reports = [json.loads(line.split(RESULT_TAG, 1)[1]) for line in proc.stdout.splitlines() if RESULT_TAG in line]
-    if proc.returncode or len(reports) != args.stages:
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
-        raise SystemExit(proc.returncode or 1)
-    return sorted(reports, key=lambda r: r["rank"])
-
-
 def measure(args, config: str, overrides: list[str], stages: int, m: int, out_dir: Path) -> dict:
     own = run_overrides(args, stages, m, out_dir)
-    reports = one_run(args, config, [*overrides, *own])
+    reports = run_workers(args.stages, "pipeline", config, [*overrides, *own], args.threads)
     measured = report.steady(metrics.read_metrics(out_dir)[0])
     row = {"stages": stages, "microbatches": m, "peak_bytes": [r["peak_bytes"] for r in reports],
            "peaks": [r["peaks"] for r in reports], "device": reports[0]["device"],
