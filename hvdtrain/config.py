@@ -320,8 +320,10 @@ class ParallelConfig:
     # step, the smallest bubble: (p-1)/(m+p-1)).
     microbatches: Optional[int] = None
     # Hand-made split: stage i owns layers b[i] .. b[i+1]-1, from 0 to model.n_layer. Default:
-    # even, counting the embedding and the head as one layer each.
-    layer_boundaries: Optional[list[int]] = None
+    # even, counting the embedding and the head as one layer each. "auto": balanced on the
+    # layers', embeddings' and head's forward + backward times, measured at the run's start on
+    # its hardware and cached (hvdtrain.parallel.layer_costs, docs/pipeline.md).
+    layer_boundaries: Optional[list[int] | Literal["auto"]] = None
     # When the copies of a stage reduce their gradients: "during" the pipeline's backward
     # (Horovod's hooks, overlapped) or "after" it (one grouped allreduce). On NCCL two
     # communicators in flight at once can hang, so the default is "after" on GPUs, "during" on CPUs.

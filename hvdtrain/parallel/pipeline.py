@@ -255,6 +255,11 @@ class StageModule(nn.Module):
                 h = h[0]
         return self.final_norm(h) if last else h
 
+    def run_layers(self, layer_ids: range, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states through some of this stage's layers (hvdtrain.parallel.layer_costs times
+        them one at a time)."""
+        return self._run_stage(layer_ids, False, False, hidden)
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.parts.embed(self, input_ids)
 

@@ -22,12 +22,14 @@ def stage_bounds(n_layer: int, stages: int, stages_per_rank: int = 1,
     each counted as one layer, as torchtitan weighs them: 4 layers on 2 stages give [0, 2, 4],
     6 layers on 4 stages [0, 1, 3, 5, 6]. `boundaries` (parallel.layer_boundaries) chooses the
     split by hand, in the same form; the first and the last stage may own no layer (embedding
-    or head only), every other stage needs one."""
+    or head only), every other stage needs one. "auto" is the split a run measures at its
+    start (hvdtrain.parallel.layer_costs, balanced_bounds); where nothing was measured (`hvdtrain
+    plan`) it is the even split."""
     n = stages * stages_per_rank
     if n > n_layer:
         raise UserError(f"parallel.pipeline_stages={stages} x parallel.stages_per_rank={stages_per_rank} = {n} "
                         f"pipeline stages is more than the model's {n_layer} layers (model.n_layer)")
-    if boundaries is None:
+    if boundaries is None or boundaries == "auto":
         return _even_bounds(n_layer, n)
     b = list(boundaries)
     if len(b) != n + 1 or b[0] != 0 or b[-1] != n_layer or any(x > y for x, y in zip(b, b[1:])):
@@ -50,6 +52,49 @@ def _even_bounds(n_layer: int, n: int) -> list[int]:
     for size in sizes:
         bounds.append(bounds[-1] + size)
     return bounds
+
+
+def balanced_bounds(costs: list[float], params: list[int], n: int, limit: int | None = None) -> list[int]:
+    """The boundaries (as stage_bounds gives them) of n pipeline stages that make the slowest
+    stage the fastest it can be: `costs` and `params` are those of the embeddings (on the first
+    stage), each transformer layer, and the head with its loss (on the last stage), L + 2 each.
+    Among those splits only the ones where no stage holds more than `limit` parameters (the
+    memory the even split's largest stage needs, so what fitted fits). As stage_bounds, the
+    first and last stage may own no layer, every other stage needs one. Linear partitioning by
+    dynamic programming (exact: at most 128 layers and 64 stages in hvdtrain's recipes); ties
+    go to the split with the earlier boundaries, so every rank picks the same one."""
+    n_layer = len(costs) - 2
+    inf = float("inf")
+
+    def stage(first: int, end: int, s: int) -> tuple[float, int]:  # stage s owning layers first .. end-1
+        extra = [0] if s == 0 else []
+        extra += [n_layer + 1] if s == n - 1 else []
+        pieces = list(range(first + 1, end + 1)) + extra
+        return sum(costs[i] for i in pieces), sum(params[i] for i in pieces)
+
+    # best[s][j]: the slowest of stages 0 .. s-1 owning layers 0 .. j-1, and where stage s-1 starts
+    best = [[(inf, -1)] * (n_layer + 1) for _ in range(n + 1)]
+    best[0][0] = (0.0, -1)
+    for s in range(n):
+        for j in range(n_layer + 1):
+            if s == n - 1 and j != n_layer:
+                continue
+            for i in range(j + 1):
+                if best[s][i][0] == inf or (0 < s < n - 1 and i == j):
+                    continue
+                cost, held = stage(i, j, s)
+                if limit is not None and held > limit:
+                    continue
+                slowest = max(best[s][i][0], cost)
+                if slowest < best[s + 1][j][0]:
+                    best[s + 1][j] = (slowest, i)
+    if best[n][n_layer][0] == inf:  # no split within the limit: the even one, which met it
+        return _even_bounds(n_layer, n)
+    bounds, j = [n_layer], n_layer
+    for s in range(n, 0, -1):
+        j = best[s][j][1]
+        bounds.append(j)
+    return bounds[::-1]
 
 
 def check_schedule(name: str, stages: int, stages_per_rank: int, microbatches: int):

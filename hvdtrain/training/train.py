@@ -18,6 +18,7 @@ parallel.shard the sharded step around either of them (hvdtrain.parallel.sharded
 gradients reduce-scattered, this copy's slices clipped and stepped, the weights allgathered.
 The loop below is the same code for all of them.
 """
+import dataclasses
 import gc
 import hashlib
 import time
@@ -30,7 +31,7 @@ import torch
 import yaml
 
 from hvdtrain.checkpointing import checkpoint
-from hvdtrain.parallel import distributed, pipeline
+from hvdtrain.parallel import distributed, layer_costs, pipeline
 from hvdtrain.observe import metrics
 from hvdtrain.config import Config, last_step_of_run, resolve_batch
 from hvdtrain.data import DataBundle, build_data
@@ -42,6 +43,7 @@ from hvdtrain.models.ties import tie_aliases
 from hvdtrain.optim.optimizers import build_optimizer
 from hvdtrain.paths import check_writable_folder
 from hvdtrain.observe.profiling import Profiler
+from hvdtrain.tools import plan
 from hvdtrain.training.run_guards import (PREEMPTED_EXIT_CODE, NonFiniteGuard, PreemptionSignal, RunStopped,
                                   StallWatchdog, mark_preempted)
 from hvdtrain.training.periodic import Checkpointer, Commits, Evaluator, StepLog
@@ -50,7 +52,7 @@ from hvdtrain.observe.trackers import Trackers
 from hvdtrain.data.sampler import EvalSampler, StreamSampler, share
 from hvdtrain.parallel.sharded_optimizer import ShardedOptimizer
 from hvdtrain.parallel.sharded_weights import materialise_slices
-from hvdtrain.training.step_engine import PlainStep, build_engine
+from hvdtrain.training.step_engine import PlainStep, autocast_for, build_engine
 from hvdtrain.observe.step_timer import StepTimer
 from hvdtrain.training.training_state import TrainingState, find_resume_checkpoint
 
@@ -154,22 +156,56 @@ class Setup:
     resumed_from: Path | None = None
 
 
-def build_model_and_optimizer(cfg: Config, data: DataBundle, device, grad_accum: int, shards: int,
-                              layout=None, groups=None, shard: int = 0):
-    """The model (or this worker's stage of it), its optimizer (Horovod's, unless the pipeline
-    reduces after its run; sharded over the `shards` copies with parallel.shard, this
-    being copy `shard`) and grad scaler; the same seed on every rank. Returns them with the
-    whole model's tied parameter names and whether gradients are reduced after the pipeline."""
-    t, par = cfg.train, cfg.parallel
-    torch.manual_seed(t.seed)
+def stage_blueprint(cfg: Config, data: DataBundle, layout=None, bounds: list[int] | None = None):
+    """The model's blueprint (parameters on the meta device, the same seed on every rank) with
+    its speed-ups, cut to this worker's stage with layer `bounds` (with a layout), and the
+    whole model's tied parameter names."""
+    torch.manual_seed(cfg.train.seed)
     blueprint = model_blueprint(cfg.model, data.vocab, cfg.data.seq_len)  # parameters on the meta device
     model = blueprint.model
     apply_speedups(model, cfg.model)  # activation checkpointing, compiled blocks
     aliases = tie_aliases(model)  # of the whole model, before a split
     if layout is not None:  # keep this worker's stage only, under the whole model's names
-        bounds = pipeline.stage_bounds(model.config.num_hidden_layers, layout.stages, layout.stages_per_rank,
-                                       par.layer_boundaries)
+        if bounds is None:
+            bounds = pipeline.stage_bounds(model.config.num_hidden_layers, layout.stages, layout.stages_per_rank,
+                                           cfg.parallel.layer_boundaries)
         model = pipeline.split_model(model, layout, bounds)
+    return blueprint, model, aliases
+
+
+def pipeline_bounds(cfg: Config, data: DataBundle, world, layout, grad_accum: int) -> list[int] | None:
+    """The layer boundaries of the stages with parallel.layer_boundaries "auto", balanced on
+    the layers' measured costs (hvdtrain.parallel.layer_costs); else None (stage_blueprint
+    takes them from the config: given, or the even split)."""
+    if layout is None or cfg.parallel.layer_boundaries != "auto":
+        return None
+    n_layer = stage_blueprint(cfg, data)[1].config.num_hidden_layers  # model.pretrained's, if given
+
+    def build_probe(bounds):  # this rank's stage of `bounds`, weights only, on the device
+        blueprint, model, _ = stage_blueprint(cfg, data, layout, bounds)
+        return blueprint.materialise(model).to(world.device).train()
+
+    def fits(bounds):  # every stage within 90% of the GPU, as `hvdtrain plan` counts it
+        c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, layer_boundaries=bounds))
+        ranks = plan.stage_memory(c, cfg.parallel.microbatches or grad_accum, cfg.train.micro_batch_size,
+                                  cfg.model.activation_checkpointing, copies=layout.dp)
+        total = torch.cuda.get_device_properties(world.device).total_memory
+        return max(r["total"] for r in ranks) <= plan.USABLE_FRACTION * total
+
+    return layer_costs.auto_bounds(cfg, n_layer, layout, world, build_probe,
+                                   autocast_for(world.device, cfg.train.precision),
+                                   fits if world.device.type == "cuda" else None)
+
+
+def build_model_and_optimizer(cfg: Config, data: DataBundle, device, grad_accum: int, shards: int,
+                              layout=None, groups=None, shard: int = 0, bounds: list[int] | None = None):
+    """The model (or this worker's stage of it, cut by `bounds`), its optimizer (Horovod's,
+    unless the pipeline reduces after its run; sharded over the `shards` copies with
+    parallel.shard, this being copy `shard`) and grad scaler; the same seed on every rank.
+    Returns them with the whole model's tied parameter names and whether gradients are reduced
+    after the pipeline."""
+    t, par = cfg.train, cfg.parallel
+    blueprint, model, aliases = stage_blueprint(cfg, data, layout, bounds)
     compute_dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
     masters = None
     if par.shard != "none":  # made real a unit at a time, each put where training keeps it (its slices)
@@ -222,8 +258,9 @@ def set_up(cfg: Config) -> Setup:
     if layout is not None:
         # Horovod + torch.distributed: process sets and groups, made by every rank
         groups = pipeline.open_groups(layout, "nccl" if world.device.type == "cuda" else "gloo")
+    bounds = pipeline_bounds(cfg, data, world, layout, grad_accum)
     model, optimizer, scaler, aliases, peak_lr, reduce_after = build_model_and_optimizer(
-        cfg, data, world.device, grad_accum, shards, layout, groups, shard)
+        cfg, data, world.device, grad_accum, shards, layout, groups, shard, bounds)
     state = TrainingState(model, optimizer, scaler, world, cfg, layout, aliases)
     state.load_and_share(resume_from)  # Horovod: broadcast from rank 0 (with stages: each reads its part)
     # The step engine, chosen once: plain, or pipelined (torch's schedule over this stage)
