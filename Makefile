@@ -33,8 +33,9 @@ test-fast: setup
 	$(BIN)/python -m pytest -q -m "not workers" tests
 
 # The CPU flavour of docker/Dockerfile built with buildah on a Debian 12 base and run as docs/containers.md
-# runs it: doctor, 2 workers with Gloo and with MPI, a worker container reached over ssh (root).
-test-image:
+# runs it: doctor, 2 workers with Gloo and with MPI, a worker container reached over ssh, a launch on a
+# terminal (root).
+test-image: setup
 	docker/test-image.sh
 
 # docker/docker-compose.yml, unmodified, run with podman-compose on that image (built or reused):

@@ -15,6 +15,8 @@
 #      Gloo. Both share the host network (as with `docker run --network host`) and the runs
 #      folder; each has its own cache (data prepared per host).
 #   5. all four runs end with the same loss (the recipe fixes the global batch)
+#   6. hvdtrain launch -np 2 on a terminal (buildah run -t, on a pseudo-terminal of this host):
+#      one clean stream, as on the host (docker/terminal_check.py, with the repository's .venv)
 # The CUDA/NCCL part of the image cannot be checked without a GPU: the Dockerfile's build checks
 # cover it (the flavour follows the base image).
 #
@@ -305,5 +307,16 @@ for name in ("gloo", "mpi", "hosts-mpi", "hosts-gloo"):
 print("loss at step", steps, losses)
 assert max(losses.values()) - min(losses.values()) <= 1e-4 * abs(losses["gloo"]), "losses differ"
 EOF
+
+say "6. hvdtrain launch -np 2 on a terminal"
+start=$SECONDS
+# No timeout around buildah run here: timeout would run it in a background process group, which
+# may not set up the terminal; terminal_check.py has its own time limit.
+NO_TIMEOUT=1 "$repo/.venv/bin/python" "$repo/docker/terminal_check.py" "$steps" runs/terminal \
+  bash -c "$(declare -f run_in); $(declare -p storage runroot STORAGE_DRIVER check_timeout); "'run_in "$@"' \
+  terminal "$a" -t "${runs_mount[@]}" -- launch -np 2 recipes/gpt-tiny.yaml "train.max_steps=$steps" \
+  out_dir=runs/terminal || die "launch on a terminal: not one clean stream"
+check_run terminal
+echo "terminal: $(elapsed "$start")"
 
 say "passed in $(elapsed "$total_start")"
