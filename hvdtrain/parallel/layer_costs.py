@@ -72,19 +72,21 @@ def measure_stage(stage, layout, bounds: list[int], cfg, device: torch.device, a
     dtype = next(stage.parameters()).dtype
     hidden = stage.config.hidden_size
     generator = torch.Generator(device="cpu").manual_seed(0)
-    ids = torch.randint(0, cfg.data.vocab_size, (micro, seq), generator=generator).to(device)
+    ids = torch.randint(0, stage.config.vocab_size, (micro, seq), generator=generator).to(device)
     labels = ids.clone()
     if stage.parts.masked_head is not None:  # a masked LM's loss sees its masked positions only
         keep = torch.rand((micro, seq), generator=generator) < cfg.data.mlm_probability
         labels[~keep.to(device)] = -100
 
     def backward_from(make_output):
+        x = torch.randn(micro, seq, hidden, generator=generator).to(device, dtype).requires_grad_()
+
         def run():
-            x = torch.randn(micro, seq, hidden, generator=generator).to(device, dtype).requires_grad_()
             with autocast:
                 out = make_output(x)
             (out if out.dim() == 0 else out.float().square().mean()).backward()
             stage.zero_grad(set_to_none=True)
+            x.grad = None
         return run
 
     def params(modules) -> int:
