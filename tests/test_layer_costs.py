@@ -14,7 +14,7 @@ from helpers import TINY, hvdtrain, write_config
 from hvdtrain.config import ModelConfig
 from hvdtrain.models.common import Vocab, model_blueprint
 from hvdtrain.parallel import pipeline
-from hvdtrain.parallel.pipeline_plan import _even_bounds, balanced_bounds
+from hvdtrain.parallel.pipeline_plan import _even_bounds, balanced_bounds, stage_totals
 from hvdtrain.errors import UserError
 
 
@@ -115,3 +115,20 @@ def test_the_auto_split_of_a_heavy_head_balances_the_stages_on_every_rank_and_is
         set(range(0, bounds[1])), set(range(bounds[1], 6))]
     times = stage_times([even, bounds])
     assert imbalance(times[tuple(bounds)]) < imbalance(times[tuple(even)]), times
+
+
+def test_stage_totals_count_the_embeddings_first_and_the_head_last():
+    assert stage_totals([0, 2, 4], [10, 1, 1, 1, 1, 20]) == [12, 22]
+    assert stage_totals([0, 0, 4, 4], [10, 1, 1, 1, 1, 20]) == [10, 4, 20]
+
+
+def test_a_cache_file_that_is_not_the_costs_is_measured_again(tmp_path):
+    from hvdtrain.parallel.layer_costs import _read_cache
+
+    path = tmp_path / "costs.json"
+    assert _read_cache(path) is None  # none yet
+    for text in ("{not json", "[1, 2]", '{"costs": [1.0]}'):
+        path.write_text(text)
+        assert _read_cache(path) is None, text
+    path.write_text('{"costs": [1.0], "params": [1]}')
+    assert _read_cache(path) == {"costs": [1.0], "params": [1]}

@@ -38,7 +38,7 @@ import torch
 from hvdtrain.data.cache import atomic_path, cache_key, cache_root
 from hvdtrain.parallel import distributed
 from hvdtrain.parallel.pipeline import TokenLoss
-from hvdtrain.parallel.pipeline_plan import balanced_bounds, stage_bounds
+from hvdtrain.parallel.pipeline_plan import balanced_bounds, stage_bounds, stage_totals
 
 REPEATS = 3  # timed forward + backward passes per piece, after one warm-up; the fastest counts
 
@@ -115,6 +115,16 @@ def _has(stage, path: str) -> bool:
         return False
 
 
+def _read_cache(path):
+    """The cached costs, or None when there are none (or the file is not what this module
+    writes: they are measured again and the file replaced)."""
+    try:
+        cached = json.loads(path.read_text())
+        return cached if isinstance(cached, dict) and {"costs", "params"} <= cached.keys() else None
+    except (OSError, ValueError):
+        return None
+
+
 def auto_bounds(cfg, n_layer: int, layout, world, build_probe, autocast, fits=None) -> list[int]:
     """The split of parallel.layer_boundaries=auto of `n_layer` layers for `layout` (the same
     on every rank): from the cached costs, or measured now on a probe of this rank's
@@ -125,7 +135,7 @@ def auto_bounds(cfg, n_layer: int, layout, world, build_probe, autocast, fits=No
     n = layout.num_stages
     even = stage_bounds(n_layer, layout.stages, layout.stages_per_rank)
     path = cache_path(cfg, world.device)
-    cached = json.loads(path.read_text()) if world.is_main and path.is_file() else None
+    cached = _read_cache(path) if world.is_main else None
     # Horovod: broadcast from rank 0 (each host may have its own cache)
     cached = distributed.broadcast_object(cached, name="layer_costs.cached")
     source = "cached" if cached else "measured"
@@ -146,14 +156,10 @@ def auto_bounds(cfg, n_layer: int, layout, world, build_probe, autocast, fits=No
                 tmp.write_text(json.dumps(cached))
     costs, params = cached["costs"], cached["params"]
 
-    def per_stage(bounds, values):
-        return [sum(values[1 + i] for i in range(bounds[s], bounds[s + 1])) + (values[0] if s == 0 else 0)
-                + (values[-1] if s == n - 1 else 0) for s in range(n)]
-
     bounds = balanced_bounds(costs, params, n)
     while fits is not None and not fits(bounds) and bounds != even:  # fewer parameters on the largest stage
-        bounds = balanced_bounds(costs, params, n, limit=max(per_stage(bounds, params)) - 1)
-    times = per_stage(bounds, costs)
+        bounds = balanced_bounds(costs, params, n, limit=max(stage_totals(bounds, params)) - 1)
+    times = stage_totals(bounds, costs)
 
     def imbalance(t):
         return max(t) / (sum(t) / len(t))
@@ -161,5 +167,5 @@ def auto_bounds(cfg, n_layer: int, layout, world, build_probe, autocast, fits=No
     milliseconds = ", ".join(f"{t * 1e3:.1f}" for t in times)
     world.print(f"hvdtrain: parallel.layer_boundaries auto: {bounds} from the layers' costs, {source} ({path}); "
                 f"stage times {milliseconds} ms a micro batch, slowest {imbalance(times):.2f}x the mean (even split {even}: "
-                f"{imbalance(per_stage(even, costs)):.2f}x)")
+                f"{imbalance(stage_totals(even, costs)):.2f}x)")
     return bounds

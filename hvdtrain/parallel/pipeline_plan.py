@@ -54,22 +54,33 @@ def _even_bounds(n_layer: int, n: int) -> list[int]:
     return bounds
 
 
+def stage_totals(bounds: list[int], values: list[float]) -> list[float]:
+    """Per pipeline stage of the split `bounds`, the sum of `values` (one for the embeddings,
+    one per transformer layer, one for the head, as balanced_bounds takes them) it holds."""
+    n, n_layer = len(bounds) - 1, bounds[-1]
+    return [sum(values[i] for i in _pieces(bounds[s], bounds[s + 1], s, n, n_layer)) for s in range(n)]
+
+
+def _pieces(first: int, end: int, s: int, n: int, n_layer: int) -> list[int]:
+    """The pieces stage s of n holds when it owns layers first .. end-1: 1 + layer, the
+    embeddings (0) on the first stage, the head (n_layer + 1) on the last."""
+    return list(range(first + 1, end + 1)) + ([0] if s == 0 else []) + ([n_layer + 1] if s == n - 1 else [])
+
+
 def balanced_bounds(costs: list[float], params: list[int], n: int, limit: int | None = None) -> list[int]:
     """The boundaries (as stage_bounds gives them) of n pipeline stages that make the slowest
     stage the fastest it can be: `costs` and `params` are those of the embeddings (on the first
     stage), each transformer layer, and the head with its loss (on the last stage), L + 2 each.
-    Among those splits only the ones where no stage holds more than `limit` parameters (the
-    memory the even split's largest stage needs, so what fitted fits). As stage_bounds, the
-    first and last stage may own no layer, every other stage needs one. Linear partitioning by
-    dynamic programming (exact: at most 128 layers and 64 stages in hvdtrain's recipes); ties
-    go to the split with the earlier boundaries, so every rank picks the same one."""
+    With `limit`, only among the splits where no stage holds more than `limit` parameters (the
+    even split when none does). As stage_bounds, the first and last stage may own no layer,
+    every other stage needs one. Linear partitioning by dynamic programming (exact: at most
+    128 layers and 64 stages in hvdtrain's recipes); ties go to the split with the earlier
+    boundaries, so every rank picks the same one."""
     n_layer = len(costs) - 2
     inf = float("inf")
 
     def stage(first: int, end: int, s: int) -> tuple[float, int]:  # stage s owning layers first .. end-1
-        extra = [0] if s == 0 else []
-        extra += [n_layer + 1] if s == n - 1 else []
-        pieces = list(range(first + 1, end + 1)) + extra
+        pieces = _pieces(first, end, s, n, n_layer)
         return sum(costs[i] for i in pieces), sum(params[i] for i in pieces)
 
     # best[s][j]: the slowest of stages 0 .. s-1 owning layers 0 .. j-1, and where stage s-1 starts
@@ -88,7 +99,7 @@ def balanced_bounds(costs: list[float], params: list[int], n: int, limit: int | 
                 slowest = max(best[s][i][0], cost)
                 if slowest < best[s + 1][j][0]:
                     best[s + 1][j] = (slowest, i)
-    if best[n][n_layer][0] == inf:  # no split within the limit: the even one, which met it
+    if best[n][n_layer][0] == inf:  # no split within the limit
         return _even_bounds(n_layer, n)
     bounds, j = [n_layer], n_layer
     for s in range(n, 0, -1):
