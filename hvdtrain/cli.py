@@ -9,6 +9,7 @@
   hvdtrain report RUN_DIR                            summary table and plots of a run
   hvdtrain bench compare|overhead|scaling|allreduce|pipeline   benchmarks
   hvdtrain plan CONFIG --gpus N                      memory, step time and scaling estimates
+  hvdtrain tune CONFIG --gpus N [--budget MINUTES]   run the layouts that fit; the fastest as a recipe
   hvdtrain generate MODEL "prompt" / fill-mask MODEL "text with [MASK]"
 
 A user mistake (UserError) becomes one line on stderr and exit code 2. Every worker that hits
@@ -20,7 +21,7 @@ import logging
 import os
 import sys
 
-from hvdtrain.tools import bench, inference, plan, report
+from hvdtrain.tools import bench, inference, plan, report, tune
 from hvdtrain.checkpointing import export
 from hvdtrain.data import prepare_job as prepare
 from hvdtrain.errors import UserError
@@ -91,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Subcommands defined next to their code; those modules import torch lazily, so
     # `hvdtrain --help` stays fast.
-    for module in (prepare, export, inference, plan, report, bench):
+    for module in (prepare, export, inference, plan, report, bench, tune):
         module.add_cli(sub)
     return parser
 

@@ -37,7 +37,7 @@ def test_a_failing_worker_shows_its_own_error_once(tmp_path):
         "if os.environ.get('HOROVOD_RANK') == '1':\n"
         "    from hvdtrain.tools import bench_common\n"
         "    original = bench_common.train_sampling\n"
-        "    def fail(setup, peak_bytes):\n"
+        "    def fail(setup, peak_bytes, interval):\n"
         "        raise RuntimeError('rank one fails here')\n"
         "    bench_common.train_sampling = lambda cfg, sample: original(cfg, fail)\n")
     env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}

@@ -137,7 +137,7 @@ def run_memory_worker(args) -> int:
     train`, then this rank's optimizer state and peak memory over the training steps."""
     peaks, state = [], []
 
-    def sample(setup, peak_bytes):
+    def sample(setup, peak_bytes, interval):
         peaks.append(peak_bytes())
         state.append(optimizer_bytes(setup.optimizer))
 

@@ -203,7 +203,7 @@ def run_pipeline_worker(args) -> int:
     train` (set_up, then run_steps), and this rank's peak memory over the training steps."""
     peaks = []
     setup, peak_bytes = train_sampling(load_config(args.config, args.overrides),
-                                       lambda setup, peak_bytes: peaks.append(peak_bytes()))
+                                       lambda setup, peak_bytes, interval: peaks.append(peak_bytes()))
     device = setup.world.device
     print(RESULT_TAG + json.dumps({"rank": setup.world.rank, "stage": setup.layout.stage if setup.layout else None,
                                    "peak_bytes": max(peaks) if peaks else peak_bytes(), "peaks": peaks,
