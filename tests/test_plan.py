@@ -619,3 +619,24 @@ def test_interleaved_plan():
     assert [r["layers"] for r in chosen["ranks"]] == [[(0, 1), (3, 4)], [(1, 3), (4, 4)]]
     assert [r["in_flight"] for r in chosen["ranks"]] == [5, 3]
     assert "ideal bubble (p-1)/(v·m+p-1) = 1/(2 x 8+1) = 5.9%" in planmod.format_plan(p)
+
+
+def test_the_plan_balances_an_auto_split_on_its_flops():
+    """GPT-2 124M's 12 layers on 2 stages with a 64k vocabulary, whose head (and loss) weighs
+    about 6 layers in FLOPs: the even split [0, 6, 12] (the head counted as one layer) puts it on
+    top of 6 layers; "auto" moves layers to the first stage, and the plan's slowest rank gets
+    faster. With a 4k vocabulary the head weighs less than a layer, and both splits agree."""
+    def two_stages(vocab: int, bounds):
+        tree = {**gpt2_124m(global_batch_size=32).to_dict(), "parallel": {"pipeline_stages": 2, "layer_boundaries": bounds}}
+        tree["data"]["vocab_size"] = vocab
+        return config_from_dict(tree)
+
+    even, auto = two_stages(64_000, None), two_stages(64_000, "auto")
+    assert planmod.planned_bounds(even, 2, 1) == [0, 6, 12]
+    bounds = planmod.planned_bounds(auto, 2, 1)
+    assert 8 <= bounds[1] <= 10
+    rows = {name: pipeline_plan(c, 2, 2, 80 * GIB, 100.0, 5e-6, 1e-15, 989.0) for name, c in (("even", even),
+                                                                                             ("auto", auto))}
+    assert rows["auto"]["ranks"][0]["layers"] == [(0, bounds[1])]
+    assert rows["auto"]["slot_s"] < 0.8 * rows["even"]["slot_s"]
+    assert planmod.planned_bounds(two_stages(4096, "auto"), 2, 1) == [0, 6, 12]

@@ -147,3 +147,28 @@ def test_the_candidates_are_the_layouts_the_plan_lets_fit_the_recipe_s_own_first
     assert len(found) == 3 * 2 * (4 + 2 * 2) and all(c.fits for c in found)
     assert {c.layout["parallel.schedule"] for c in found if c.stages == 2} == {"gpipe", "1f1b"}
     assert {c.layout["parallel.shard"] for c in found if c.stages == 2} == {"none"}
+
+
+@pytest.mark.workers
+def test_a_trial_that_stalls_is_ended_at_its_limit_and_recorded(tmp_path):
+    """The recipe's own layout never reaches its first step on rank 1 (a sitecustomize sleeps
+    there): ended at --trial-limit as stalled, nothing of it left running, and the next trial runs."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, time\n"
+        "if os.environ.get('HOROVOD_RANK') == '1':\n"
+        "    from hvdtrain.tools import tune\n"
+        "    original = tune.train_sampling\n"
+        "    def sampling(cfg, sample):\n"
+        "        if cfg.parallel.shard == 'gradients' and cfg.train.micro_batch_size == 8:\n"
+        "            time.sleep(3600)\n"
+        "        return original(cfg, sample)\n"
+        "    tune.train_sampling = sampling\n")
+    out = tmp_path / "tune"
+    proc = hvdtrain("tune", RECIPE, "parallel.shard=gradients", "--gpus", "2", "--budget", "0.6", "--steps", "2",
+                    "--trial-limit", "12", "--out", out, env={"PYTHONPATH": str(tmp_path)}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trials = records(out)
+    assert trials[0]["status"] == "stalled" and trials[0]["error"] == "no result within its limit of 12 s"
+    assert 12 <= trials[0]["seconds"] < 30
+    assert len(trials) >= 2 and trials[1]["status"] == "ok"
+    assert worker_processes(str(out)) == ""

@@ -25,7 +25,8 @@ nothing. The start-up line says the split, each stage's time from the costs, and
 slowest is above the mean, beside the even split's. Delete the cache entry to measure again
 (after a driver or hardware change).
 
-`hvdtrain plan` plans "auto" as the even split (it has no measured costs). The probe holds its
+`hvdtrain plan` has no measured costs: it balances "auto" on its FLOPs of the same pieces
+(plan.planned_bounds), which do not tell ModernBERT's global layers from its local ones. The probe holds its
 stage's weights whole in fp32 (no gradients or optimizer state): a stage that fits a GPU only
 fully sharded (parallel.shard: full) may not fit as a probe; give its boundaries by hand there.
 """

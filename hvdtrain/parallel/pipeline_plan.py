@@ -23,8 +23,8 @@ def stage_bounds(n_layer: int, stages: int, stages_per_rank: int = 1,
     6 layers on 4 stages [0, 1, 3, 5, 6]. `boundaries` (parallel.layer_boundaries) chooses the
     split by hand, in the same form; the first and the last stage may own no layer (embedding
     or head only), every other stage needs one. "auto" is the split a run measures at its
-    start (hvdtrain.parallel.layer_costs, balanced_bounds); where nothing was measured (`hvdtrain
-    plan`) it is the even split."""
+    start (hvdtrain.parallel.layer_costs, balanced_bounds; `hvdtrain plan` balances it on its
+    FLOPs: plan.planned_bounds); here, where nothing is measured, it is the even split."""
     n = stages * stages_per_rank
     if n > n_layer:
         raise UserError(f"parallel.pipeline_stages={stages} x parallel.stages_per_rank={stages_per_rank} = {n} "

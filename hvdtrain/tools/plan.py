@@ -53,7 +53,7 @@ from hvdtrain.errors import UserError
 from hvdtrain.models import family
 from hvdtrain.models.flops import (count_params, find_gpu, flops_params, head_fraction, mfu, model_dims,
                             model_flops_per_token, peak_tflops, stage_params)
-from hvdtrain.parallel.pipeline_plan import INTERLEAVED, check_schedule, ideal_bubble, stage_bounds
+from hvdtrain.parallel.pipeline_plan import INTERLEAVED, balanced_bounds, check_schedule, ideal_bubble, stage_bounds
 
 GIB = 2 ** 30
 MIB = 2 ** 20
@@ -401,6 +401,25 @@ def _boundary_elem(cfg) -> int:
     return 2 if cfg.parallel.shard != "none" and cfg.train.precision == "bf16" else RESIDUAL_BYTES
 
 
+def planned_bounds(cfg, stages: int, stages_per_rank: int) -> list[int]:
+    """The split the plan counts: stage_bounds' (the even split, or the one given by hand), and
+    for parallel.layer_boundaries "auto" the split a run would balance (pipeline_plan.balanced_bounds)
+    on the plan's FLOPs of each piece, where the run measures their times: the embeddings, each
+    layer (its matmuls and attention), the head with its loss. A large vocabulary's head weighs
+    several layers here too; ModernBERT's global layers weigh as its local ones (the FLOPs count
+    does not tell them apart, `flops.model_flops_per_token`)."""
+    dims = model_dims(cfg)
+    n_layer = dims["n_layer"]
+    if cfg.parallel.layer_boundaries != "auto":
+        return stage_bounds(n_layer, stages, stages_per_rank, cfg.parallel.layer_boundaries)
+    fraction = head_fraction(cfg)
+    embeddings, rest = (c["flops_params"] for c in stage_params(**dims, bounds=[0, 0, n_layer], head_fraction=fraction))
+    head = stage_params(**dims, bounds=[0, n_layer, n_layer], head_fraction=fraction)[1]["flops_params"]
+    layer = 6.0 * (rest - head) / n_layer + 12.0 * dims["d_model"] * cfg.data.seq_len
+    costs = [6.0 * embeddings, *[layer] * n_layer, 6.0 * head]
+    return balanced_bounds(costs, [0] * (n_layer + 2), stages * stages_per_rank)
+
+
 def stage_memory(cfg, microbatches: int, micro_batch: int, checkpointing: bool, sdpa: bool = True,
                  copies: int = 1) -> list[dict]:
     """Bytes on each rank of a pipeline of cfg.parallel.pipeline_stages = p ranks running
@@ -410,7 +429,7 @@ def stage_memory(cfg, microbatches: int, micro_batch: int, checkpointing: bool, 
 
     * parameters, gradients, optimizer state and autocast copies of the rank's own stages
       (weight_state_bytes; a sharded optimizer's over the `copies` of each stage):
-      the layers of stage_bounds' split, the embeddings on the first stage, the head and a copy
+      the layers of the split (planned_bounds), the embeddings on the first stage, the head and a copy
       of the tied embedding matrix on the last (flops.stage_params);
     * activations of the micro batches in flight (`in_flight`), each the stage's layers as
       activation_bytes counts them (with checkpointing: each layer's fp32 input, plus one
@@ -432,7 +451,7 @@ def stage_memory(cfg, microbatches: int, micro_batch: int, checkpointing: bool, 
     p = par.pipeline_stages
     v = par.stages_per_rank if p > 1 else 1
     dims = model_dims(cfg)
-    bounds = stage_bounds(dims["n_layer"], p, v, par.layer_boundaries)
+    bounds = planned_bounds(cfg, p, v)
     counts = stage_params(**dims, bounds=bounds, head_fraction=head_fraction(cfg))
     matmul_weights = [c["flops_params"] for c in stage_params(**dims, bounds=bounds)]  # all of BERT's head too
     n = p * v

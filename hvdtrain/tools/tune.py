@@ -31,10 +31,11 @@
 Each trial is recorded as it ends, one JSON line in DIR/trials.jsonl (DIR: --out, default the
 config's out_dir + "-tune"): the same command again continues after the last recorded trial, and
 the budget counts the recorded trials' time. A trial that runs out of memory, fails, or gives no
-result within its time limit (3 x its expected time, at least STALL_FLOOR_S, never past the
-budget) is recorded as such, its workers ended (TERM, then KILL, to its process group), and tune
-goes on with the next. The budget is kept: a trial starts only when its expected time fits what
-is left.
+result within its time limit (--trial-limit, default 3 x its expected time and at least
+STALL_FLOOR_S) is recorded as such, its workers ended (TERM, then KILL, to its process group), and
+tune goes on with the next. The budget is kept: a trial starts only when its expected time fits
+what is left, and is ended when the budget runs out; such a trial is not recorded, so that the
+same command with a larger --budget runs it again.
 """
 import dataclasses
 import itertools
@@ -369,6 +370,8 @@ def run_tune(args) -> int:
                         f"{args.threads}")
     if not args.budget > 0:
         raise UserError(f"--budget: expected minutes > 0, got {args.budget}")
+    if args.trial_limit is not None and not args.trial_limit > 0:
+        raise UserError(f"--trial-limit: expected seconds > 0, got {args.trial_limit}")
     spec = plan.find_gpu(args.gpu)
     if spec is None and args.gpu_memory is None:
         raise UserError(f"--gpu: unknown GPU '{args.gpu}'; pass its memory with --gpu-memory GIB")
@@ -432,9 +435,13 @@ def run_tune(args) -> int:
                                f"{expected:.0f} s)")
                 break
             predicted = predictor.step_s(c)
+            limit = args.trial_limit or max(3 * expected, STALL_FLOOR_S)
             record = {"layout": c.layout, "predicted_s": predicted,
-                      **run_trial(config, overrides, c, args.gpus, args.steps, args.threads,
-                                  min(remaining, max(3 * expected, STALL_FLOOR_S)), out / "runs" / f"trial-{len(done)}")}
+                      **run_trial(config, overrides, c, args.gpus, args.steps, args.threads, min(limit, remaining),
+                                  out / "runs" / f"trial-{len(done)}")}
+            if record["status"] == "stalled" and remaining < limit:  # the budget's end, not the trial, cut it short
+                stop_reason = "the budget ran out during a trial (not recorded: a larger --budget runs it again)"
+                break
             append_record(out / RECORDS, record)
             records.append(record)
             done.add(json.dumps(c.layout))
@@ -483,6 +490,9 @@ def add_cli(sub):
     p.add_argument("--gpu-memory", type=float, help="its memory in GiB (default: the GPU's)")
     p.add_argument("--net-gbps", type=float, default=100.0, help="network bandwidth per worker for the plan (default "
                                                                  "100)")
+    p.add_argument("--trial-limit", type=float, help="seconds after which a trial without a result is ended as "
+                                                      "stalled (default: 3 x its expected time, at least "
+                                                      f"{STALL_FLOOR_S:.0f})")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per worker (default 1)")
     p.set_defaults(func=run_tune)
 
