@@ -70,11 +70,11 @@ def test_evaluation_with_a_128k_vocabulary_peaks_at_most_at_training():
 def test_a_pipeline_s_last_stage_scores_a_128k_vocabulary_in_chunks():
     """pipeline.TokenLoss, the loss of a pipeline's last stage in training and evaluation: the
     same chunks as the whole model's (the same loss), never a micro batch's whole logits."""
-    from hvdtrain.parallel import pipeline
+    from hvdtrain.parallel import parallel_dims, pipeline
 
     vocab = Vocab(size=128256, pad_id=0, bos_id=1, eos_id=2)
     config = ModelConfig(arch="llama", n_layer=2, n_head=2, d_model=64, d_ff=128, dropout=0.0)
-    first, last = [pipeline.split_model(build_model(config, vocab, 256), pipeline.Layout(2, 1, s, 0), [0, 1, 2])
+    first, last = [pipeline.split_model(build_model(config, vocab, 256), parallel_dims.Layout(2, 1, s, 0), [0, 1, 2])
                    for s in range(2)]
     ids = torch.randint(3, vocab.size, (8, 256))
     labels = torch.cat([ids[:, 1:], torch.full((8, 1), IGNORE_INDEX)], dim=1)

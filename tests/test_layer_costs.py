@@ -13,7 +13,7 @@ import torch
 from helpers import TINY, hvdtrain, write_config
 from hvdtrain.config import ModelConfig
 from hvdtrain.models.common import Vocab, model_blueprint
-from hvdtrain.parallel import pipeline
+from hvdtrain.parallel import parallel_dims, pipeline
 from hvdtrain.parallel.pipeline_plan import _even_bounds, balanced_bounds, stage_totals
 from hvdtrain.errors import UserError
 
@@ -65,7 +65,7 @@ def stage_times(splits: list[list[int]], repeats: int = 5) -> dict[tuple, list[f
         for s in range(2):
             torch.manual_seed(0)
             blueprint = model_blueprint(cfg, Vocab(size=VOCAB, pad_id=0), SEQ)
-            layout = pipeline.Layout(stages=2, dp=1, stage=s, dp_rank=0)
+            layout = parallel_dims.Layout(stages=2, dp=1, stage=s, dp_rank=0)
             stages[tuple(bounds), s] = blueprint.materialise(pipeline.split_model(blueprint.model, layout, bounds))
     ids = torch.randint(0, VOCAB, (MICRO, SEQ))
     best = {key: float("inf") for key in stages}

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import RTOL, WORKERS, horovodrun, run_cmd
-from hvdtrain.parallel import pipeline
+from hvdtrain.parallel import parallel_dims, pipeline
 from hvdtrain.config import ModelConfig
 from hvdtrain.errors import UserError
 from hvdtrain.models.common import Vocab, build_model, head_inputs, token_loss_sum
@@ -171,7 +171,7 @@ def test_stages_chained_compute_the_whole_model(arch, stages, per_rank):
     model's, under the same names."""
     whole = tiny(arch)
     bounds = pipeline.stage_bounds(4, stages, per_rank)
-    parts = [pipeline.split_model(tiny(arch), pipeline.Layout(stages, 1, s, 0, per_rank), bounds)
+    parts = [pipeline.split_model(tiny(arch), parallel_dims.Layout(stages, 1, s, 0, per_rank), bounds)
              for s in range(stages)]
     chunks = sorted((s, chunk) for part in parts for s, chunk in zip(part.layout.stage_ids, part.chunks))
     ids = torch.randint(5, 100, (2, 16))
@@ -195,18 +195,33 @@ def test_stages_chained_compute_the_whole_model(arch, stages, per_rank):
 
 
 def test_one_stage_keeps_the_tie():
-    stage = pipeline.split_model(tiny("gpt2"), pipeline.Layout(1, 1, 0, 0), [0, 4])
+    stage = pipeline.split_model(tiny("gpt2"), parallel_dims.Layout(1, 1, 0, 0), [0, 4])
     assert pipeline.tied_parameters(stage) == {}
     assert stage.lm_head.weight is stage.transformer.wte.weight
 
 
 def test_layout_ranks():
-    layout = pipeline.layout_for(rank=5, world_size=8, stages=2)
+    layout = parallel_dims.layout_for(rank=5, world_size=8, stages=2)
     assert (layout.stage, layout.dp_rank, layout.dp, layout.rank) == (1, 1, 4, 5)
     assert layout.stage_ranks(1) == [4, 5, 6, 7] and layout.pipeline_ranks(1) == [1, 5]
-    assert pipeline.Layout(2, 1, 1, 0, stages_per_rank=3).stage_ids == [1, 3, 5]
+    assert parallel_dims.Layout(2, 1, 1, 0, stages_per_rank=3).stage_ids == [1, 3, 5]
     with pytest.raises(UserError, match="parallel.pipeline_stages=3 does not divide the 8 workers"):
-        pipeline.layout_for(0, 8, 3)
+        parallel_dims.layout_for(0, 8, 3)
+
+
+def test_the_grid_s_groups_are_the_ranks_along_one_dimension():
+    """The grid behind every group: with pp x dp (today's layout) the pipelines and the copies of
+    each stage; a third, innermost dimension (as tensor parallelism will be) makes neighbours its
+    groups and the same arithmetic gives the others, each group once, in one order for all ranks."""
+    grid = parallel_dims.ParallelDims((("pp", 2), ("dp", 4)))
+    assert grid.world_size == 8 and grid.coords(5) == {"pp": 1, "dp": 1} and grid.rank_at(pp=1, dp=1) == 5
+    assert grid.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert grid.groups("dp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    cube = parallel_dims.ParallelDims((("pp", 2), ("dp", 2), ("tp", 2)))
+    assert cube.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert cube.group("dp", 5) == [5, 7] and cube.group("pp", 5) == [1, 5]
+    for dim in ("pp", "dp", "tp"):
+        assert sorted(r for g in cube.groups(dim) for r in g) == list(range(8))
 
 
 @pytest.mark.parametrize("n_layer,stages,per_rank,bounds", [

@@ -588,7 +588,7 @@ def test_stage_params_match_the_real_split(arch):
     """flops.stage_params against the parameters of hvdtrain.parallel.pipeline's real stages, for 2
     stages and for 2 ranks of 2 interleaved stages each."""
     pytest.importorskip("torch")
-    from hvdtrain.parallel import pipeline
+    from hvdtrain.parallel import parallel_dims, pipeline
     from hvdtrain.config import ModelConfig
     from hvdtrain.models.flops import stage_params
     from hvdtrain.models.common import Vocab, build_model
@@ -601,7 +601,7 @@ def test_stage_params_match_the_real_split(arch):
         counts = stage_params(arch, 5, 32, 128, 128, 16, bounds)
         for rank in range(stages):
             torch.manual_seed(0)
-            layout = pipeline.Layout(stages=stages, dp=1, stage=rank, dp_rank=0, stages_per_rank=per_rank)
+            layout = parallel_dims.Layout(stages=stages, dp=1, stage=rank, dp_rank=0, stages_per_rank=per_rank)
             stage = pipeline.split_model(build_model(model_cfg, vocab, 16), layout, bounds)
             assert sum(p.numel() for p in stage.parameters()) == sum(counts[g]["params"] for g in layout.stage_ids)
 

@@ -28,7 +28,7 @@ from hvdtrain.data.tokenizer import _pretrained, train_tokenizer
 from hvdtrain.errors import UserError
 from hvdtrain.models import family as model_family
 from hvdtrain.models.common import Vocab, build_model, model_blueprint
-from hvdtrain.parallel import pipeline
+from hvdtrain.parallel import parallel_dims, pipeline
 
 # Each family's tiny shape (TINY's, with the knobs of tests/test_llama.py and test_modernbert.py)
 FAMILIES = {"gpt2": {"arch": "gpt2"}, "bert": {"arch": "bert"}, "llama": {"arch": "llama", "n_kv_head": 1},
@@ -243,7 +243,7 @@ def test_resized_embeddings_keep_the_saved_rows_and_start_the_new_ones_at_their_
     for s in range(2):
         torch.manual_seed(0)
         blueprint = model_blueprint(cfg, vocab, seq_len=16)
-        stage = blueprint.materialise(pipeline.split_model(blueprint.model, pipeline.Layout(2, 1, s, 0), [0, 1, 2]))
+        stage = blueprint.materialise(pipeline.split_model(blueprint.model, parallel_dims.Layout(2, 1, s, 0), [0, 1, 2]))
         for name, value in stage.state_dict().items():
             assert torch.equal(value, state[name]), (s, name)
 

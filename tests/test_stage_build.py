@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
 from helpers import WORKERS, horovodrun, load_params, run_cmd, write_config
-from hvdtrain.parallel import pipeline
+from hvdtrain.parallel import parallel_dims, pipeline
 from hvdtrain.config import ModelConfig
 from hvdtrain.errors import UserError
 from hvdtrain.models.common import Vocab, build_model, model_blueprint
@@ -26,7 +26,7 @@ def tiny(arch: str, n_layer: int = 4, **kw) -> ModelConfig:
     return ModelConfig(arch=arch, n_layer=n_layer, n_head=2, d_model=32, dropout=0.0, **kw)
 
 
-def build_stage(cfg: ModelConfig, layout: pipeline.Layout, bounds: list[int], seed: int = 3):
+def build_stage(cfg: ModelConfig, layout: parallel_dims.Layout, bounds: list[int], seed: int = 3):
     """One rank's stage, built as train.build_model_and_optimizer builds it."""
     torch.manual_seed(seed)
     blueprint = model_blueprint(cfg, VOCAB, SEQ)
@@ -54,7 +54,7 @@ def test_every_layout_starts_from_the_unsplit_model_s_weights_and_buffers(arch, 
     bounds = pipeline.stage_bounds(4, stages, per_rank, boundaries)
     held = set()
     for s in range(stages):
-        stage = build_stage(tiny(arch), pipeline.Layout(stages, 1, s, 0, per_rank), bounds)
+        stage = build_stage(tiny(arch), parallel_dims.Layout(stages, 1, s, 0, per_rank), bounds)
         assert not any(t.is_meta for t in [*stage.parameters(), *stage.buffers()])
         # The tied halves the pipeline keeps equal are the stage's real parameters.
         assert len(stage.tied) == (s in (0, stages - 1)) and all(p in set(stage.parameters())
@@ -80,7 +80,7 @@ def test_sharded_copies_build_their_slices_of_the_unsplit_model_s_weights(arch, 
         blueprint = model_blueprint(tiny(arch), VOCAB, SEQ)
         part = blueprint.model
         if stage is not None:
-            part = pipeline.split_model(part, pipeline.Layout(2, 1, stage, 0), [0, 2, 4])
+            part = pipeline.split_model(part, parallel_dims.Layout(2, 1, stage, 0), [0, 2, 4])
         masters = materialise_slices(blueprint, part, rank, 2, dtype, torch.device("cpu"), level)
         copies.append(({n: masters[id(p)] for n, p in part.named_parameters(remove_duplicate=False)}, part))
     (first, part), (second, _) = copies
@@ -94,7 +94,7 @@ def test_sharded_copies_build_their_slices_of_the_unsplit_model_s_weights(arch, 
 
 def test_the_buffers_are_the_modules_own_not_empty_memory():
     """BERT's position ids (non-persistent) are what its constructor computes."""
-    stage = build_stage(tiny("bert"), pipeline.Layout(2, 1, 0, 0), [0, 2, 4])
+    stage = build_stage(tiny("bert"), parallel_dims.Layout(2, 1, 0, 0), [0, 2, 4])
     positions = stage.bert.embeddings.position_ids
     assert torch.equal(positions, torch.arange(positions.shape[-1]).expand(1, -1))
     assert not stage.bert.embeddings.token_type_ids.any()
@@ -135,7 +135,7 @@ def test_every_family_starts_from_the_distributions_transformers_gives(arch, kno
     for s in range(2):
         torch.manual_seed(0)
         blueprint = model_blueprint(cfg, vocab, SEQ)
-        stages |= dict(blueprint.materialise(pipeline.split_model(blueprint.model, pipeline.Layout(2, 1, s, 0),
+        stages |= dict(blueprint.materialise(pipeline.split_model(blueprint.model, parallel_dims.Layout(2, 1, s, 0),
                                                                   [0, 2, 4])).named_parameters(remove_duplicate=False))
     assert_distributions(stages, theirs)
     torch.manual_seed(1)
@@ -199,7 +199,7 @@ def test_a_sharded_pretrained_folder_loads_per_stage_reading_only_the_stage_s_te
     read = ReadNames(monkeypatch)
     for s in range(2):
         read.names.clear()
-        stage = build_stage(cfg, pipeline.Layout(2, 1, s, 0), [0, 2, 4])
+        stage = build_stage(cfg, parallel_dims.Layout(2, 1, s, 0), [0, 2, 4])
         assert_equal_tensors(reference, stage.state_dict())
         layers = {m.group(1) for n in read.names if (m := re.search(r"(?:^|\.)(?:h|layer)\.(\d+)\.", n))}
         assert layers == ({"0", "1"} if s == 0 else {"2", "3"}), read.names  # never another stage's layers
@@ -216,7 +216,7 @@ def test_a_pretrained_folder_without_a_stage_s_tensor_is_one_line(tmp_path):
     del content["weight_map"]["transformer.h.3.mlp.c_fc.weight"]
     index.write_text(json.dumps(content))
     with pytest.raises(UserError, match=r"model.pretrained '.*' has no tensor 'transformer.h.3.mlp.c_fc.weight'"):
-        build_stage(tiny("gpt2", pretrained=str(folder)), pipeline.Layout(2, 1, 1, 0), [0, 2, 4])
+        build_stage(tiny("gpt2", pretrained=str(folder)), parallel_dims.Layout(2, 1, 1, 0), [0, 2, 4])
 
 
 # ---------------------------------------------------------------- real workers (horovodrun, Gloo)

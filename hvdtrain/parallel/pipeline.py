@@ -8,8 +8,8 @@ are torch's, the collectives are torch.distributed's (along a pipeline) and Horo
 copies). Used by a worker, in this order:
 
     hvd.init(process_sets="dynamic")                  # process sets are added after init
-    layout = layout_for(hvd.rank(), hvd.size(), stages)
-    groups = open_groups(layout, "gloo")              # "nccl" on GPUs
+    layout = layout_for(hvd.rank(), hvd.size(), stages)   # hvdtrain.parallel.parallel_dims
+    groups = open_groups(layout, "gloo")              # "nccl" on GPUs (parallel_dims)
     torch.manual_seed(seed); blueprint = model_blueprint(...)  # parameters on the meta device
     stage = split_model(blueprint.model, layout, stage_bounds(n_layer, stages))
     blueprint.materialise(stage)                      # only the stage's weights are made
@@ -30,10 +30,7 @@ Parameter names stay those of the Hugging Face model (`transformer.h.3.attn.c_at
 so each stage can write its part of a checkpoint and any layout can read it back.
 """
 import copy
-import os
-import socket
-import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -42,139 +39,19 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
-from hvdtrain.errors import UserError
 from hvdtrain.models import family_of
 from hvdtrain.models.common import linear_cross_entropy_sum, masked_positions, switch
 from hvdtrain.models.ties import tied_names
+from hvdtrain.parallel.parallel_dims import Groups, Layout
 # The torch-free arithmetic (split, schedule checks, ideal bubble) lives in pipeline_plan, for
 # `hvdtrain plan`; its names are part of this module's API too.
 from hvdtrain.parallel.pipeline_plan import (INTERLEAVED, SCHEDULES, _even_bounds, check_schedule,  # noqa: F401
                                      ideal_bubble, stage_bounds)
 
-try:  # as in distributed.py; the layout, the split and the checks work without Horovod
+try:  # as in distributed.py; the split and the checks work without Horovod
     import horovod.torch as hvd
 except ImportError:  # pragma: no cover
     hvd = None
-
-
-# ---------------------------------------------------------------- layout
-
-@dataclass(frozen=True)
-class Layout:
-    """Where this rank sits in the `stages x dp` grid.
-
-    With `stages_per_rank` > 1 (interleaved schedules) the model is cut into
-    stages * stages_per_rank pipeline stages and pipeline position s runs the stages
-    s, s + stages, s + 2 * stages, ... (torch's loop order)."""
-    stages: int               # p: ranks in one pipeline
-    dp: int                   # copies of each stage
-    stage: int                # this rank's position in its pipeline, 0 .. p-1
-    dp_rank: int              # which copy, 0 .. dp-1
-    stages_per_rank: int = 1
-
-    @property
-    def rank(self) -> int:
-        return self.stage * self.dp + self.dp_rank
-
-    @property
-    def is_first(self) -> bool:
-        """This rank holds the embeddings and reads input_ids."""
-        return self.stage == 0
-
-    @property
-    def is_last(self) -> bool:
-        """This rank holds the head and computes the loss."""
-        return self.stage == self.stages - 1
-
-    @property
-    def num_stages(self) -> int:
-        """Pipeline stages the model is cut into."""
-        return self.stages * self.stages_per_rank
-
-    @property
-    def stage_ids(self) -> list[int]:
-        """The pipeline stages this rank runs, in model order."""
-        return [self.stage + k * self.stages for k in range(self.stages_per_rank)]
-
-    def stage_ranks(self, stage: int) -> list[int]:
-        """The ranks holding copies of pipeline position `stage`: one data-parallel group."""
-        return [stage * self.dp + d for d in range(self.dp)]
-
-    def pipeline_ranks(self, dp_rank: int) -> list[int]:
-        """The ranks of pipeline `dp_rank`, first stage first."""
-        return [s * self.dp + dp_rank for s in range(self.stages)]
-
-
-def layout_for(rank: int, world_size: int, stages: int, stages_per_rank: int = 1) -> Layout:
-    if stages < 1 or world_size % stages:
-        raise UserError(f"parallel.pipeline_stages={stages} does not divide the {world_size} workers")
-    if stages_per_rank < 1:
-        raise UserError(f"parallel.stages_per_rank={stages_per_rank} must be at least 1")
-    dp = world_size // stages
-    return Layout(stages=stages, dp=dp, stage=rank // dp, dp_rank=rank % dp, stages_per_rank=stages_per_rank)
-
-
-# ---------------------------------------------------------------- process groups
-
-@dataclass
-class Groups:
-    """The communicators of one rank; every rank created all of them, in the same order."""
-    pipeline: dist.ProcessGroup       # this rank's pipeline (same dp_rank), for send/recv and the grad norm
-    tied: dist.ProcessGroup | None    # {first, last stage} of this pipeline; None on other ranks or when p = 1
-    process_set: object               # Horovod process set of this stage's copies
-    added_sets: list = field(default_factory=list)  # what open_groups added, removed by close()
-
-    def close(self):
-        """Remove the process sets and the torch.distributed group (all ranks, same order)."""
-        for process_set in self.added_sets:
-            hvd.remove_process_set(process_set)  # Horovod: remove a process set (collective)
-        dist.destroy_process_group()  # torch.distributed: destroy the groups
-
-
-def open_groups(layout: Layout, backend: str) -> Groups:
-    """Open torch.distributed inside horovodrun workers, then the groups the pipeline needs.
-
-    Needs `hvd.init(process_sets="dynamic")` (or HOROVOD_DYNAMIC_PROCESS_SETS=1 before hvd.init):
-    the data-parallel process sets are added here. No launcher flags or MASTER_* variables are
-    needed: rank 0 opens a TCP store on a port the OS picks and sends its address to the others
-    with Horovod. The store's host is MASTER_ADDR if set, else the host name horovodrun gave
-    rank 0 (HOROVOD_HOSTNAME), else this machine's name; other hosts must reach it by that name."""
-    world_size = hvd.size()
-    # init_process_group installs an excepthook that writes "[rankN]: " before every line of a
-    # traceback; horovodrun already tags each line with its rank, and hvdtrain.launching.relay must see
-    # the traceback as the worker's Python printed it to show it.
-    excepthook = sys.excepthook
-    # torch.distributed: init over a store whose address comes by Horovod broadcast
-    dist.init_process_group(backend, store=_rendezvous_store(), rank=hvd.rank(), world_size=world_size)
-    sys.excepthook = excepthook
-    # dist.new_group and hvd.add_process_set are collective: every rank makes every group, same order.
-    pipeline = tied = None
-    for d in range(layout.dp):
-        group = dist.new_group(layout.pipeline_ranks(d))  # torch.distributed: new group (collective)
-        if d == layout.dp_rank:
-            pipeline = group
-    if layout.stages > 1:
-        for d in range(layout.dp):
-            ends = layout.pipeline_ranks(d)
-            group = dist.new_group([ends[0], ends[-1]])  # torch.distributed: new group (collective)
-            if d == layout.dp_rank and (layout.is_first or layout.is_last):
-                tied = group
-    if layout.dp == world_size:  # Horovod rejects a second set equal to the world
-        return Groups(pipeline, tied, hvd.global_process_set)
-    added = [hvd.add_process_set(layout.stage_ranks(s)) for s in range(layout.stages)]  # Horovod: process sets
-    return Groups(pipeline, tied, added[layout.stage], added)
-
-
-def _rendezvous_store() -> dist.TCPStore:
-    """A TCPStore on rank 0; horovodrun's own rendezvous server lives in the launcher, not on rank 0."""
-    rank, world_size = hvd.rank(), hvd.size()
-    if rank == 0:
-        host = os.environ.get("MASTER_ADDR") or os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
-        store = dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False)
-        hvd.broadcast_object((host, store.port), root_rank=0, name="pipeline.store")  # Horovod: broadcast
-        return store
-    host, port = hvd.broadcast_object(None, root_rank=0, name="pipeline.store")  # Horovod: broadcast
-    return dist.TCPStore(host, port, world_size, is_master=False)
 
 
 # ---------------------------------------------------------------- one rank's part of the model

@@ -24,7 +24,7 @@ def build_rank_part(model: ModelConfig, vocab_size: int, seq_len: int, stages: i
     train.build_model_and_optimizer builds it."""
     import torch
 
-    from hvdtrain.parallel import pipeline
+    from hvdtrain.parallel import parallel_dims, pipeline
     from hvdtrain.models.common import Vocab, model_blueprint
 
     torch.manual_seed(seed)
@@ -32,7 +32,7 @@ def build_rank_part(model: ModelConfig, vocab_size: int, seq_len: int, stages: i
     part = blueprint.model
     if stages > 1:
         bounds = pipeline.stage_bounds(part.config.num_hidden_layers, stages, 1, boundaries)
-        part = pipeline.split_model(part, pipeline.Layout(stages, 1, stage, 0), bounds)
+        part = pipeline.split_model(part, parallel_dims.Layout(stages, 1, stage, 0), bounds)
     return blueprint.materialise(part)
 
 

@@ -31,7 +31,7 @@ from contextlib import nullcontext
 
 import torch
 
-from hvdtrain.parallel import distributed, pipeline
+from hvdtrain.parallel import distributed, parallel_dims, pipeline
 from hvdtrain.parallel.distributed import hvd
 from hvdtrain.parallel.sharded_weights import ShardedWeights
 from hvdtrain.config import Config
@@ -173,8 +173,8 @@ class PipelinedStep(PlainStep):
     gradients are reduced in one grouped allreduce after the schedule's run, where NCCL would
     otherwise run two communicators at once."""
 
-    def __init__(self, model, optimizer, scaler, normalizer, autocast, device, layout: pipeline.Layout,
-                 groups: pipeline.Groups, pipe: pipeline.Pipeline, reduce_after: bool, cfg: Config):
+    def __init__(self, model, optimizer, scaler, normalizer, autocast, device, layout: parallel_dims.Layout,
+                 groups: parallel_dims.Groups, pipe: pipeline.Pipeline, reduce_after: bool, cfg: Config):
         super().__init__(model, optimizer, scaler, normalizer, autocast, device)
         self.layout, self.groups, self.pipe, self.reduce_after, self.cfg = layout, groups, pipe, reduce_after, cfg
         self.stages, self.copies_per_stage = layout.stages, layout.dp
@@ -258,7 +258,7 @@ class ShardedStep(PlainStep):
     weights allgathered in its step (with "full", unit by unit before each use:
     hvdtrain.parallel.sharded_weights). The order of the step (PlainStep.optimizer_step) is the same."""
 
-    def __init__(self, layout_step: PlainStep, groups: pipeline.Groups | None = None,
+    def __init__(self, layout_step: PlainStep, groups: parallel_dims.Groups | None = None,
                  micro_batch_shape: tuple[int, int] = (1, 1)):
         s = layout_step
         self.micro_batch_shape = micro_batch_shape  # (samples, tokens) of a validation batch

@@ -31,7 +31,7 @@ import torch
 import yaml
 
 from hvdtrain.checkpointing import checkpoint
-from hvdtrain.parallel import distributed, layer_costs, pipeline
+from hvdtrain.parallel import distributed, layer_costs, parallel_dims, pipeline
 from hvdtrain.observe import metrics
 from hvdtrain.config import Config, last_step_of_run, resolve_batch
 from hvdtrain.data import DataBundle, build_data
@@ -152,7 +152,7 @@ class Setup:
     shard: int                      # which copy of the data this worker reads, of `shards`
     shards: int
     engine: PlainStep               # how a step is done (hvdtrain.training.step_engine)
-    layout: pipeline.Layout | None = None
+    layout: parallel_dims.Layout | None = None
     resumed_from: Path | None = None
 
 
@@ -243,7 +243,7 @@ def set_up(cfg: Config) -> Setup:
     par = cfg.parallel
     grad_accum, global_batch = resolve_batch(cfg, world.size)
     # Pipeline stages: this worker's place in the stages x copies grid; the copies shard the data.
-    layout = (pipeline.layout_for(world.rank, world.size, par.pipeline_stages, par.stages_per_rank)
+    layout = (parallel_dims.layout_for(world.rank, world.size, par.pipeline_stages, par.stages_per_rank)
               if par.pipeline_stages > 1 else None)
     shard, shards = (layout.dp_rank, layout.dp) if layout else (world.rank, world.size)
 
@@ -257,7 +257,7 @@ def set_up(cfg: Config) -> Setup:
     groups = None
     if layout is not None:
         # Horovod + torch.distributed: process sets and groups, made by every rank
-        groups = pipeline.open_groups(layout, "nccl" if world.device.type == "cuda" else "gloo")
+        groups = parallel_dims.open_groups(layout, "nccl" if world.device.type == "cuda" else "gloo")
     bounds = pipeline_bounds(cfg, data, world, layout, grad_accum)
     model, optimizer, scaler, aliases, peak_lr, reduce_after = build_model_and_optimizer(
         cfg, data, world.device, grad_accum, shards, layout, groups, shard, bounds)

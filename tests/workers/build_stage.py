@@ -12,7 +12,7 @@ from pathlib import Path
 import transformers
 from safetensors.torch import save_file
 
-from hvdtrain.parallel import distributed, pipeline
+from hvdtrain.parallel import distributed, parallel_dims
 from hvdtrain.config import load_config, resolve_batch
 from hvdtrain.models.model_build import PeakRise
 from hvdtrain.training.train import build_model_and_optimizer, check_data
@@ -26,8 +26,8 @@ grad_accum, global_batch = resolve_batch(cfg, world.size)
 layout = groups = None
 shards = world.size
 if par.pipeline_stages > 1:
-    layout = pipeline.layout_for(world.rank, world.size, par.pipeline_stages, par.stages_per_rank)
-    groups = pipeline.open_groups(layout, "gloo")
+    layout = parallel_dims.layout_for(world.rank, world.size, par.pipeline_stages, par.stages_per_rank)
+    groups = parallel_dims.open_groups(layout, "gloo")
     shards = layout.dp
 data = check_data(cfg, world, shards, global_batch, grad_accum)
 transformers.GPT2LMHeadModel, transformers.BertForMaskedLM  # noqa: B018 (imported now, not while measured)

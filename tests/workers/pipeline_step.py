@@ -23,7 +23,7 @@ import horovod.torch as hvd
 import torch
 from safetensors.torch import save_file
 
-from hvdtrain.parallel import distributed, pipeline
+from hvdtrain.parallel import distributed, parallel_dims, pipeline
 from hvdtrain.config import Config, ModelConfig, ParallelConfig
 from hvdtrain.models.common import IGNORE_INDEX, Vocab, build_model, logits_and_labels
 from hvdtrain.training.run_guards import NonFiniteGuard
@@ -51,7 +51,7 @@ def global_batch(arch: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(masked, MASK_ID, ids), torch.where(masked, ids, IGNORE_INDEX)
 
 
-def my_slice(t: torch.Tensor, layout: pipeline.Layout) -> torch.Tensor:
+def my_slice(t: torch.Tensor, layout: parallel_dims.Layout) -> torch.Tensor:
     rows = GLOBAL_BATCH // layout.dp
     return t[layout.dp_rank * rows:(layout.dp_rank + 1) * rows]
 
@@ -75,7 +75,7 @@ def loss_sum(model, ids, labels, scale: float, backward: bool) -> torch.Tensor:
     return total
 
 
-def train_reference(arch: str, layout: pipeline.Layout) -> tuple[dict, torch.nn.Module]:
+def train_reference(arch: str, layout: parallel_dims.Layout) -> tuple[dict, torch.nn.Module]:
     model = new_model(arch)
     optimizer = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR),
                                          named_parameters=model.named_parameters(),
@@ -101,11 +101,11 @@ def train_reference(arch: str, layout: pipeline.Layout) -> tuple[dict, torch.nn.
     return result, model
 
 
-def train_pipelined(case: str, layout: pipeline.Layout, groups: pipeline.Groups) -> tuple[dict, torch.nn.Module]:
+def train_pipelined(case: str, layout: parallel_dims.Layout, groups: parallel_dims.Groups) -> tuple[dict, torch.nn.Module]:
     """The training loop's own step engine (hvdtrain.training.step_engine.PipelinedStep), step by step."""
     arch, schedule, reduce = case.split("-")
     per_rank = 2 if schedule == "interleaved1f1b" else 1
-    layout = pipeline.Layout(layout.stages, layout.dp, layout.stage, layout.dp_rank, per_rank)
+    layout = parallel_dims.Layout(layout.stages, layout.dp, layout.stage, layout.dp_rank, per_rank)
     stage = pipeline.split_model(new_model(arch), layout, pipeline.stage_bounds(N_LAYER, layout.stages, per_rank))
     pipe = pipeline.build_schedule(stage, layout, groups, schedule, MICROBATCHES, 1.0, torch.device("cpu"))
     optimizer = torch.optim.AdamW(stage.parameters(), lr=LR)
@@ -148,7 +148,7 @@ def train_pipelined(case: str, layout: pipeline.Layout, groups: pipeline.Groups)
     return result, stage
 
 
-def fp16_skips(stage, layout: pipeline.Layout, groups: pipeline.Groups, steps: int = 4, inf_step: int = 2) -> list:
+def fp16_skips(stage, layout: parallel_dims.Layout, groups: parallel_dims.Groups, steps: int = 4, inf_step: int = 2) -> list:
     """`steps` steps of a GradScaler (on copies of the stage's parameters, so the trained
     ones stay as they are) where only the last stage finds inf, in step `inf_step`, stepped as
     the training loop does: share_found_inf, then NonFiniteGuard.scaler_step. Per step: this
@@ -171,7 +171,7 @@ def fp16_skips(stage, layout: pipeline.Layout, groups: pipeline.Groups, steps: i
     return states
 
 
-def after_reduction(layout: pipeline.Layout, groups: pipeline.Groups) -> dict:
+def after_reduction(layout: parallel_dims.Layout, groups: parallel_dims.Groups) -> dict:
     """allreduce_grads_after among the copies of this stage of gradients that differ by copy,
     with horovod.compression and gradient_predivide_factor as the training loop passes them.
     `thirds` round in fp16; `big` (40000 a copy) overflows an fp16 sum of two copies."""
@@ -196,8 +196,8 @@ def main():
     args = parser.parse_args()
 
     hvd.init(process_sets="dynamic")
-    layout = pipeline.layout_for(hvd.rank(), hvd.size(), args.stages)
-    groups = pipeline.open_groups(layout, "gloo") if args.stages > 1 else None
+    layout = parallel_dims.layout_for(hvd.rank(), hvd.size(), args.stages)
+    groups = parallel_dims.open_groups(layout, "gloo") if args.stages > 1 else None
     for case in args.cases:
         if groups is None:
             result, module = train_reference(case, layout)

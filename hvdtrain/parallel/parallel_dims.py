@@ -1,0 +1,196 @@
+"""The layout of the workers: one grid from which every rank's coordinates, process group and
+process set derive (torchtitan's ParallelDims is the model).
+
+The world is a grid of named dimensions, outermost first: today "pp" (pipeline stages) then "dp"
+(data-parallel copies of each stage), so rank = stage * dp + dp_rank. A parallelism to come adds
+a dimension here (tensor parallelism innermost, so that a layer's ranks are neighbours on one
+node, as Megatron and torchtitan place them), not a branch at every use: the ranks that share a
+collective are those that differ along one dimension (`ParallelDims.group`), and every group of a
+dimension is opened on every rank in the same order (`ParallelDims.groups`), as
+torch.distributed's new_group and Horovod's add_process_set require.
+
+    hvd.init(process_sets="dynamic")                  # process sets are added after init
+    layout = layout_for(hvd.rank(), hvd.size(), stages)
+    groups = open_groups(layout, "gloo")              # "nccl" on GPUs
+    ... the pipeline (hvdtrain.parallel.pipeline) and Horovod's reductions use them ...
+    groups.close()
+"""
+import math
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from hvdtrain.errors import UserError
+
+try:  # as in distributed.py; the layout and its arithmetic work without Horovod
+    import horovod.torch as hvd
+except ImportError:  # pragma: no cover
+    hvd = None
+
+
+# ---------------------------------------------------------------- the grid
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Named dimensions and their sizes, outermost first; their product is the world size."""
+    dims: tuple[tuple[str, int], ...]
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(size for _, size in self.dims)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Where `rank` sits along every dimension."""
+        out = {}
+        for name, size in reversed(self.dims):
+            rank, out[name] = divmod(rank, size)
+        return {name: out[name] for name, _ in self.dims}
+
+    def rank_at(self, **coords: int) -> int:
+        """The rank at these coordinates (a dimension not named: 0)."""
+        rank = 0
+        for name, size in self.dims:
+            rank = rank * size + coords.get(name, 0)
+        return rank
+
+    def group(self, dim: str, rank: int) -> list[int]:
+        """The ranks that differ from `rank` along `dim` alone, in the order of that coordinate."""
+        at = self.coords(rank)
+        return [self.rank_at(**{**at, dim: i}) for i in range(dict(self.dims)[dim])]
+
+    def groups(self, dim: str) -> list[list[int]]:
+        """Every group along `dim`, each once, in rank order of its first member: the order in
+        which every rank opens them."""
+        firsts = [r for r in range(self.world_size) if self.coords(r)[dim] == 0]
+        return [self.group(dim, r) for r in firsts]
+
+
+# ---------------------------------------------------------------- this rank's place in it
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this rank sits in the `stages x dp` grid.
+
+    With `stages_per_rank` > 1 (interleaved schedules) the model is cut into
+    stages * stages_per_rank pipeline stages and pipeline position s runs the stages
+    s, s + stages, s + 2 * stages, ... (torch's loop order)."""
+    stages: int               # p: ranks in one pipeline
+    dp: int                   # copies of each stage
+    stage: int                # this rank's position in its pipeline, 0 .. p-1
+    dp_rank: int              # which copy, 0 .. dp-1
+    stages_per_rank: int = 1
+
+    @property
+    def grid(self) -> ParallelDims:
+        return ParallelDims((("pp", self.stages), ("dp", self.dp)))
+
+    @property
+    def rank(self) -> int:
+        return self.grid.rank_at(pp=self.stage, dp=self.dp_rank)
+
+    @property
+    def is_first(self) -> bool:
+        """This rank holds the embeddings and reads input_ids."""
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        """This rank holds the head and computes the loss."""
+        return self.stage == self.stages - 1
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages the model is cut into."""
+        return self.stages * self.stages_per_rank
+
+    @property
+    def stage_ids(self) -> list[int]:
+        """The pipeline stages this rank runs, in model order."""
+        return [self.stage + k * self.stages for k in range(self.stages_per_rank)]
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        """The ranks holding copies of pipeline position `stage`: one data-parallel group."""
+        return self.grid.group("dp", self.grid.rank_at(pp=stage))
+
+    def pipeline_ranks(self, dp_rank: int) -> list[int]:
+        """The ranks of pipeline `dp_rank`, first stage first."""
+        return self.grid.group("pp", self.grid.rank_at(dp=dp_rank))
+
+
+def layout_for(rank: int, world_size: int, stages: int, stages_per_rank: int = 1) -> Layout:
+    if stages < 1 or world_size % stages:
+        raise UserError(f"parallel.pipeline_stages={stages} does not divide the {world_size} workers")
+    if stages_per_rank < 1:
+        raise UserError(f"parallel.stages_per_rank={stages_per_rank} must be at least 1")
+    grid = ParallelDims((("pp", stages), ("dp", world_size // stages)))
+    at = grid.coords(rank)
+    return Layout(stages=stages, dp=world_size // stages, stage=at["pp"], dp_rank=at["dp"],
+                  stages_per_rank=stages_per_rank)
+
+
+# ---------------------------------------------------------------- process groups
+
+@dataclass
+class Groups:
+    """The communicators of one rank; every rank created all of them, in the same order."""
+    pipeline: dist.ProcessGroup       # this rank's pipeline (same dp_rank), for send/recv and the grad norm
+    tied: dist.ProcessGroup | None    # {first, last stage} of this pipeline; None on other ranks or when p = 1
+    process_set: object               # Horovod process set of this stage's copies
+    added_sets: list = field(default_factory=list)  # what open_groups added, removed by close()
+
+    def close(self):
+        """Remove the process sets and the torch.distributed group (all ranks, same order)."""
+        for process_set in self.added_sets:
+            hvd.remove_process_set(process_set)  # Horovod: remove a process set (collective)
+        dist.destroy_process_group()  # torch.distributed: destroy the groups
+
+
+def open_groups(layout: Layout, backend: str) -> Groups:
+    """Open torch.distributed inside horovodrun workers, then the groups the pipeline needs:
+    a torch.distributed group per pipeline (the ranks along "pp") and one of its two ends (the
+    tied embedding), a Horovod process set per stage's copies (the ranks along "dp").
+
+    Needs `hvd.init(process_sets="dynamic")` (or HOROVOD_DYNAMIC_PROCESS_SETS=1 before hvd.init):
+    the data-parallel process sets are added here. No launcher flags or MASTER_* variables are
+    needed: rank 0 opens a TCP store on a port the OS picks and sends its address to the others
+    with Horovod. The store's host is MASTER_ADDR if set, else the host name horovodrun gave
+    rank 0 (HOROVOD_HOSTNAME), else this machine's name; other hosts must reach it by that name."""
+    world_size = hvd.size()
+    grid, rank = layout.grid, layout.rank
+    # init_process_group installs an excepthook that writes "[rankN]: " before every line of a
+    # traceback; horovodrun already tags each line with its rank, and hvdtrain.launching.relay must see
+    # the traceback as the worker's Python printed it to show it.
+    excepthook = sys.excepthook
+    # torch.distributed: init over a store whose address comes by Horovod broadcast
+    dist.init_process_group(backend, store=_rendezvous_store(), rank=hvd.rank(), world_size=world_size)
+    sys.excepthook = excepthook
+    # dist.new_group and hvd.add_process_set are collective: every rank makes every group, same order.
+    pipeline = tied = None
+    for ranks in grid.groups("pp"):
+        group = dist.new_group(ranks)  # torch.distributed: new group (collective)
+        if rank in ranks:
+            pipeline = group
+    if layout.stages > 1:
+        for ranks in grid.groups("pp"):
+            group = dist.new_group([ranks[0], ranks[-1]])  # torch.distributed: new group (collective)
+            if rank in (ranks[0], ranks[-1]):
+                tied = group
+    if layout.dp == world_size:  # Horovod rejects a second set equal to the world
+        return Groups(pipeline, tied, hvd.global_process_set)
+    added = [hvd.add_process_set(ranks) for ranks in grid.groups("dp")]  # Horovod: process sets
+    return Groups(pipeline, tied, added[layout.stage], added)
+
+
+def _rendezvous_store() -> dist.TCPStore:
+    """A TCPStore on rank 0; horovodrun's own rendezvous server lives in the launcher, not on rank 0."""
+    rank, world_size = hvd.rank(), hvd.size()
+    if rank == 0:
+        host = os.environ.get("MASTER_ADDR") or os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+        store = dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False)
+        hvd.broadcast_object((host, store.port), root_rank=0, name="pipeline.store")  # Horovod: broadcast
+        return store
+    host, port = hvd.broadcast_object(None, root_rank=0, name="pipeline.store")  # Horovod: broadcast
+    return dist.TCPStore(host, port, world_size, is_master=False)
