@@ -302,6 +302,9 @@ class HorovodConfig:
                  self.gradient_predivide_factor)
 
 
+SHARD_LEVELS = ("none", "optimizer", "gradients", "full")  # parallel.shard's values, least sharded first
+
+
 @dataclass
 class ParallelConfig:
     """How the model is spread over the workers beyond data parallelism (docs/pipeline.md)."""
@@ -342,7 +345,7 @@ class ParallelConfig:
     #              backward, the next one prefetched: 16/d + the units in flight
     # Needs horovod.compression "none" and op average or sum; elastic jobs refuse it. Off by
     # default: 2 collectives per step where one allreduce fits the memory (3 with "full").
-    shard: Literal["none", "optimizer", "gradients", "full"] = "none"
+    shard: Literal[SHARD_LEVELS] = "none"
     # Deprecated spelling of shard: "optimizer" (true); false leaves parallel.shard as it is.
     shard_optimizer: bool = False
 

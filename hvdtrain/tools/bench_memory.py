@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from hvdtrain.tools.bench_common import RESULT_TAG, add_worker_parser, parse_ints, run_workers, train_sampling
-from hvdtrain.config import load_config
+from hvdtrain.config import SHARD_LEVELS, load_config
 from hvdtrain.errors import UserError
 
 DEFAULT_RECIPE = "recipes/gpt2-small.yaml"
@@ -36,9 +36,6 @@ DEFAULT_OVERRIDES = ["data.source=synthetic", "data.tokenizer=train", "data.hub_
                      "train.precision=fp32", "model.compile=false", "model.dropout=0.0"]
 MIB = 2 ** 20
 CPU_PLAN = ", sharded with Gloo's reduce-scatter working memory"
-
-
-LEVELS = ("none", "optimizer", "gradients", "full")
 
 
 def run_overrides(args, level: str, out_dir: Path) -> list[str]:
@@ -79,8 +76,8 @@ def run_memory_bench(args) -> int:
     config = config or DEFAULT_RECIPE
     copies = sorted(set(parse_ints(args.copies, "--copies")))
     levels = args.levels.split(",")
-    if not levels or any(level not in LEVELS for level in levels):
-        raise UserError(f"--levels: expected a comma-separated list of {', '.join(LEVELS)}, got {args.levels!r}")
+    if not levels or any(level not in SHARD_LEVELS for level in levels):
+        raise UserError(f"--levels: expected a comma-separated list of {', '.join(SHARD_LEVELS)}, got {args.levels!r}")
     if args.steps < 1 or args.threads < 1:
         raise UserError(f"--steps and --threads: expected integers >= 1, got {args.steps} and {args.threads}")
     rows = []
@@ -156,7 +153,7 @@ def add_cli(kinds):
                                              "small vocabulary); its data is replaced by synthetic data")
     p.add_argument("overrides", nargs="*", help="dotted overrides such as model.n_layer=6")
     p.add_argument("--copies", default="1,2,4", help="data-parallel workers d, one run per level each (default 1,2,4)")
-    p.add_argument("--levels", default=",".join(LEVELS), help=f"parallel.shard levels (default {','.join(LEVELS)})")
+    p.add_argument("--levels", default=",".join(SHARD_LEVELS), help=f"parallel.shard levels (default {','.join(SHARD_LEVELS)})")
     p.add_argument("--steps", type=int, default=3, help="steps per run (default 3)")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per worker (default 1)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")

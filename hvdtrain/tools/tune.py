@@ -52,7 +52,7 @@ from pathlib import Path
 
 import yaml
 
-from hvdtrain.config import load_config, merge_override, parse_override
+from hvdtrain.config import SHARD_LEVELS, load_config, merge_override, parse_override
 from hvdtrain.errors import UserError
 from hvdtrain.observe.metrics import PHASES
 from hvdtrain.observe.progress import on_terminal
@@ -63,7 +63,6 @@ from hvdtrain.tools.bench_common import (RESULT_TAG, train_sampling, worker_comm
 TRIAL_START_S = 20.0  # what a trial is expected to take beyond its steps until one has run: start, set-up, data
 STALL_FLOOR_S = 60.0  # the least time limit of a trial
 OUT_OF_MEMORY = re.compile(r"OutOfMemoryError|out of memory|Killed|signal 9\b", re.IGNORECASE)
-SHARD_LEVELS = ("none", "optimizer", "gradients", "full")
 RECORDS = "trials.jsonl"
 
 
@@ -185,8 +184,7 @@ class Predictor:
         parts = self.planned(c)
         if parts is None:
             return None
-        median = lambda ratios: statistics.median(ratios) if ratios else 1.0  # noqa: E731
-        return parts[0] * median(self.compute_ratios) + parts[1] * median(self.comm_ratios)
+        return parts[0] * _scale(self.compute_ratios) + parts[1] * _scale(self.comm_ratios)
 
     def learn(self, c: Candidate, record: dict):
         parts = self.planned(c)
@@ -196,6 +194,10 @@ class Predictor:
         self.compute_ratios.append((record["step_s"] - comm) / parts[0])
         if parts[1] > 0:
             self.comm_ratios.append(comm / parts[1])
+
+
+def _scale(ratios: list[float]) -> float:
+    return statistics.median(ratios) if ratios else 1.0
 
 
 # ---------------------------------------------------------------- one trial
