@@ -79,34 +79,53 @@ def test_an_interrupted_tune_continues_keeps_its_budget_and_writes_a_recipe_laun
     assert run.returncode == 0, run.stderr[-3000:]
 
 
-@pytest.mark.workers
-def test_a_trial_that_runs_out_of_memory_is_recorded_and_tune_goes_on(tmp_path):
-    """The recipe's own layout (here parallel.shard=optimizer) runs out of memory on rank 1 (a
-    sitecustomize on the workers' path raises torch's OutOfMemoryError there): recorded as out of
-    memory with its error, nothing of it left running; the other trials run and the winner's recipe
-    has no comparison with the recipe's layout, which gave no figures."""
+def tune_where_rank_one(tmp_path, shard: str, action: str, *options) -> tuple[list[dict], str, object]:
+    """`hvdtrain tune` of gpt-tiny with parallel.shard=`shard` (0.6 minutes, 2 steps), whose own
+    layout (that level at micro batch 8) runs the Python statement `action` on rank 1 in place of
+    its training (a sitecustomize on the workers' path wraps tune's train_sampling): the trials,
+    tune's output and its folder."""
     (tmp_path / "sitecustomize.py").write_text(
-        "import os\n"
+        "import os, time\n"
         "if os.environ.get('HOROVOD_RANK') == '1':\n"
         "    import torch\n"
         "    from hvdtrain.tools import tune\n"
         "    original = tune.train_sampling\n"
         "    def sampling(cfg, sample):\n"
-        "        if cfg.parallel.shard == 'optimizer' and cfg.train.micro_batch_size == 8:\n"
-        "            raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')\n"
+        f"        if cfg.parallel.shard == {shard!r} and cfg.train.micro_batch_size == 8:\n"
+        f"            {action}\n"
         "        return original(cfg, sample)\n"
         "    tune.train_sampling = sampling\n")
     out = tmp_path / "tune"
-    proc = hvdtrain("tune", RECIPE, "parallel.shard=optimizer", "--gpus", "2", "--budget", "0.6", "--steps", "2",
-                    "--out", out, env={"PYTHONPATH": str(tmp_path)}, timeout=300)
+    proc = hvdtrain("tune", RECIPE, f"parallel.shard={shard}", "--gpus", "2", "--budget", "0.6", "--steps", "2",
+                    "--out", out, *options, env={"PYTHONPATH": str(tmp_path)}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    trials = records(out)
+    return records(out), proc.stdout, out
+
+
+@pytest.mark.workers
+def test_a_trial_that_runs_out_of_memory_is_recorded_and_tune_goes_on(tmp_path):
+    """The recipe's own layout runs out of memory on rank 1 (torch's OutOfMemoryError): recorded as
+    out of memory with its error, nothing of it left running; the other trials run, and the
+    winner's recipe has no comparison with the recipe's layout, which gave no figures."""
+    trials, stdout, out = tune_where_rank_one(
+        tmp_path, "optimizer", "raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')")
     assert trials[0]["status"] == "out of memory", trials[0]
     assert "CUDA out of memory" in trials[0]["error"]
     assert len(trials) >= 2 and all(t["status"] == "ok" for t in trials[1:])
     assert worker_processes(str(out)) == ""
-    assert "out of memory: torch.OutOfMemoryError: CUDA out of memory" in proc.stdout
+    assert "out of memory: torch.OutOfMemoryError: CUDA out of memory" in stdout
     assert "the recipe's own layout" not in (out / "best.yaml").read_text()
+
+
+@pytest.mark.workers
+def test_a_trial_that_stalls_is_ended_at_its_limit_and_recorded(tmp_path):
+    """The recipe's own layout never reaches its first step on rank 1: ended at --trial-limit as
+    stalled, nothing of it left running, and the next trial runs."""
+    trials, _, out = tune_where_rank_one(tmp_path, "gradients", "time.sleep(3600)", "--trial-limit", "12")
+    assert trials[0]["status"] == "stalled" and trials[0]["error"] == "no result within its limit of 12 s"
+    assert 12 <= trials[0]["seconds"] < 30
+    assert len(trials) >= 2 and trials[1]["status"] == "ok"
+    assert worker_processes(str(out)) == ""
 
 
 def test_a_budget_too_small_for_one_trial_is_one_line_and_nothing_is_written(tmp_path):
@@ -149,26 +168,3 @@ def test_the_candidates_are_the_layouts_the_plan_lets_fit_the_recipe_s_own_first
     assert {c.layout["parallel.shard"] for c in found if c.stages == 2} == {"none"}
 
 
-@pytest.mark.workers
-def test_a_trial_that_stalls_is_ended_at_its_limit_and_recorded(tmp_path):
-    """The recipe's own layout never reaches its first step on rank 1 (a sitecustomize sleeps
-    there): ended at --trial-limit as stalled, nothing of it left running, and the next trial runs."""
-    (tmp_path / "sitecustomize.py").write_text(
-        "import os, time\n"
-        "if os.environ.get('HOROVOD_RANK') == '1':\n"
-        "    from hvdtrain.tools import tune\n"
-        "    original = tune.train_sampling\n"
-        "    def sampling(cfg, sample):\n"
-        "        if cfg.parallel.shard == 'gradients' and cfg.train.micro_batch_size == 8:\n"
-        "            time.sleep(3600)\n"
-        "        return original(cfg, sample)\n"
-        "    tune.train_sampling = sampling\n")
-    out = tmp_path / "tune"
-    proc = hvdtrain("tune", RECIPE, "parallel.shard=gradients", "--gpus", "2", "--budget", "0.6", "--steps", "2",
-                    "--trial-limit", "12", "--out", out, env={"PYTHONPATH": str(tmp_path)}, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    trials = records(out)
-    assert trials[0]["status"] == "stalled" and trials[0]["error"] == "no result within its limit of 12 s"
-    assert 12 <= trials[0]["seconds"] < 30
-    assert len(trials) >= 2 and trials[1]["status"] == "ok"
-    assert worker_processes(str(out)) == ""
