@@ -97,6 +97,21 @@ def training_workers(out_dir) -> list[int]:
             and f"out_dir={out_dir}" in p.info["cmdline"]]
 
 
+def described(pids: list[int]) -> str:
+    """Each process of `pids` with its state, age and parent: what a test shows of processes left behind."""
+    import psutil
+    lines = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            parent = p.parent()
+            lines.append(f"pid {pid} ({p.status()}, {time.time() - p.create_time():.0f} s old) child of "
+                         f"{parent.pid if parent else None}: {' '.join((parent.cmdline() if parent else [])[:4])}")
+        except psutil.Error as e:
+            lines.append(f"pid {pid}: {e}")
+    return "; ".join(lines)
+
+
 def assert_workers_stop_when_killed(launcher: subprocess.Popen, out_dir: Path, group: bool, within_s: float):
     """Once `launcher` (started with new_session) trains in `out_dir` on 2 workers, SIGKILL it
     alone or with its whole process group (`group`, a shell's `kill -9 %1`); its workers must
@@ -115,7 +130,8 @@ def assert_workers_stop_when_killed(launcher: subprocess.Popen, out_dir: Path, g
         deadline = time.monotonic() + within_s
         while training_workers(out_dir) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert training_workers(out_dir) == [], f"workers still training {within_s} s after their launcher was killed"
+        left = training_workers(out_dir)
+        assert left == [], f"workers still training {within_s} s after their launcher was killed: {described(left)}"
     finally:
         for pid in training_workers(out_dir):
             os.kill(pid, signal.SIGKILL)

@@ -342,9 +342,11 @@ def test_a_stuck_worker_says_where_and_leaves_and_the_other_finishes_like_a_sing
 @pytest.mark.workers
 def test_the_workers_of_an_elastic_launch_killed_with_its_process_group_stop_by_themselves(tmp_path, tiny_config):
     """`kill -9` of the launcher's process group (the fault campaign's finding: the guard died
-    with it, and the elastic workers trained on to the end, exporting into the run folder)."""
+    with it, and the elastic workers trained on to the end, exporting into the run folder). The
+    guard's TERM reaches the workers through horovodrun's elastic driver and the middleman process
+    of each worker, which kills it 5 s later: well within the minute allowed on a loaded machine."""
     out = tmp_path / "run"
     config = tiny_config({**ELASTIC, "train": {**ELASTIC["train"], "max_steps": 500, "slow_ranks": [0, 1],
                                                "slow_seconds": 0.2}})
     launcher = start_elastic_launch(tmp_path, config, out, new_session=True)
-    assert_workers_stop_when_killed(launcher, out, group=True, within_s=30)
+    assert_workers_stop_when_killed(launcher, out, group=True, within_s=60)
