@@ -20,9 +20,10 @@
    (bench_common.train_sampling); the run then stops, without the final evaluation, checkpoint
    and export a training run ends with.
 3. Learning (`Predictor`): until a trial has run, the plan's compute time rests on an assumed
-   model FLOPs utilisation (plan.DEFAULT_MFU of the GPU's peak). After each trial, the median of
-   measured over predicted step time scales the plan's seconds per FLOP, so the predictions for
-   the candidates not yet run, and their order, follow this machine's measured speed. The table's
+   model FLOPs utilisation (plan.DEFAULT_MFU of the GPU's peak). After each trial, what it
+   measured scales the plan's compute and its exposed communication, each by the median over the
+   trials of measured / planned, so the predictions for the candidates not yet run, and their
+   order, follow this machine's measured speed. The table's
    "predicted" column is each trial's prediction as it stood just before the trial ran.
 4. The result: a table ranked by measured tokens/s beside the prediction, and the winner written
    as a recipe, DIR/best.yaml: `base:` the config, the command's overrides and the winner's keys,
