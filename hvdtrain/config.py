@@ -30,6 +30,7 @@ import yaml
 from hvdtrain.errors import UserError
 from hvdtrain.models import NAMES as FAMILY_NAMES
 from hvdtrain.models import family, knob_owners
+from hvdtrain.models.mixtral import EXPERTS as MIXTRAL_EXPERTS
 
 KNOBS = knob_owners()  # model.* keys that only some families have -> those families
 
@@ -48,7 +49,8 @@ class ModelConfig:
     # "bert" (masked LM, BertForMaskedLM), "llama" (causal LM, LlamaForCausalLM: rotary
     # positions, RMSNorm, SwiGLU, grouped-query attention; Llama 3, Mistral and Qwen2 shapes) or
     # "modernbert" (masked LM, ModernBertForMaskedLM: rotary positions, GeGLU, alternating
-    # local and global attention).
+    # local and global attention) or "mixtral" (causal LM, MixtralForCausalLM: Llama's with a
+    # mixture of experts for each MLP, top-k routed, and a load-balancing loss).
     arch: Literal[FAMILY_NAMES] = "gpt2"
     # A local folder or hub name of a Hugging Face model of this arch to continue pretraining
     # from (safetensors only); its own shape and dropout then replace the keys below. null:
@@ -77,14 +79,22 @@ class ModelConfig:
     # far less activation memory for one more forward of every block in each backward.
     activation_checkpointing: bool = False
     # The knobs of one family (KNOBS; null: the family's default). Set for another family, they
-    # are an error. Llama:
+    # are an error. Llama (and Mixtral):
     # Key/value heads of grouped-query attention, shared by n_head / n_kv_head query heads each;
     # must divide n_head. null: n_head (multi-head attention). Llama 3 has 8.
     n_kv_head: Optional[int] = None
     rope_theta: Optional[float] = None  # the rotary embedding's base; null: 500000 (Llama 3)
     # The output matrix is the token embedding (one V x d matrix) or its own; null: tied
-    # (Llama 3.2 1B and 3B; Llama 3 8B is untied).
+    # (Llama 3.2 1B and 3B; Llama 3 8B is untied); Mixtral: untied, as Mixtral 8x7B.
     tie_embeddings: Optional[bool] = None
+    # Mixtral (a mixture of experts in each layer, in place of the SwiGLU MLP; d_ff is each
+    # expert's width):
+    experts: Optional[int] = None  # experts per layer; null: 8 (Mixtral 8x7B)
+    # experts each token is routed to (top-k, dropless); at most model.experts; null: 2
+    experts_per_token: Optional[int] = None
+    # Weight of Switch Transformer's load-balancing loss in the training loss (1.0 when the
+    # tokens spread evenly over the experts); 0 turns it off. null: 0.02 (Mixtral's)
+    router_aux_loss_coef: Optional[float] = None
     # ModernBERT:
     # Tokens a local attention layer attends to around each position (half on each side);
     # null: 128 (ModernBERT-base and -large).
@@ -99,6 +109,14 @@ class ModelConfig:
                      f"null with model.arch {self.arch} (a knob of {', '.join(owners)} only)", getattr(self, knob))
         _require(self.n_kv_head is None or (self.n_kv_head >= 1 and self.n_head % self.n_kv_head == 0),
                  "model.n_kv_head", f"a divisor of model.n_head ({self.n_head}) or null", self.n_kv_head)
+        _require(self.experts is None or self.experts >= 1, "model.experts", "an integer >= 1 or null",
+                 self.experts)
+        experts = self.experts or MIXTRAL_EXPERTS
+        _require(self.experts_per_token is None or 1 <= self.experts_per_token <= experts,
+                 "model.experts_per_token", f"an integer in [1, model.experts={experts}] or null",
+                 self.experts_per_token)
+        _require(self.router_aux_loss_coef is None or self.router_aux_loss_coef >= 0, "model.router_aux_loss_coef",
+                 "a number >= 0 or null", self.router_aux_loss_coef)
         _require(self.rope_theta is None or self.rope_theta > 0, "model.rope_theta", "a number > 0 or null",
                  self.rope_theta)
         _require(self.local_attention is None or (self.local_attention >= 2 and self.local_attention % 2 == 0),
@@ -637,6 +655,10 @@ def validate(cfg: Config):
              f"null or >= data.seq_len ({d.seq_len})", m.max_position)
     _require(par.pipeline_stages * par.stages_per_rank <= m.n_layer or m.pretrained, "parallel.pipeline_stages",
              f"at most model.n_layer={m.n_layer} stages in all (x parallel.stages_per_rank)", par.pipeline_stages)
+    # A pipeline stage's schedule carries the hidden states alone, not a mixture's router logits.
+    _require(m.arch != "mixtral" or par.pipeline_stages == 1, "parallel.pipeline_stages",
+             "1 with model.arch mixtral (pipeline stages do not carry the routers' load-balancing loss yet)",
+             par.pipeline_stages)
     # Cross-section: sharding reduce-scatters the gradients itself, uncompressed.
     _require(par.shard == "none" or cfg.horovod.compression == "none", "horovod.compression",
              f"'none' with parallel.shard={par.shard!r} (the gradients are reduce-scattered in their own dtype)",

@@ -22,6 +22,9 @@ CONFIGS = {
     "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
         num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
         vocab_size=128, tie_word_embeddings=False)),
+    "mixtral": (transformers.MixtralForCausalLM, transformers.MixtralConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=32,
+        num_local_experts=4, num_experts_per_tok=2, vocab_size=128)),
     "modernbert": (transformers.ModernBertForMaskedLM, transformers.ModernBertConfig(
         num_hidden_layers=3, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=128,
         global_attn_every_n_layers=3, local_attention=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,

@@ -18,6 +18,9 @@ LLAMA_3_8B = dict(arch="llama", n_layer=32, d_model=4096, d_ff=14336, vocab_size
 # ModernBERT-base as published: 149,655,232 parameters
 MODERNBERT_BASE = dict(arch="modernbert", n_layer=22, d_model=768, d_ff=1152, vocab_size=50368, max_position=8192,
                        local_attention=128, global_every=3)
+# 46.7B parameters in all, 12.9B active (two of eight experts), as Mistral counts them
+MIXTRAL_8X7B = dict(arch="mixtral", n_layer=32, d_model=4096, d_ff=14336, vocab_size=32000, max_position=32768,
+                    kv_width=1024, experts=8, experts_per_token=2)
 BERT_LARGE = dict(arch="bert", n_layer=24, d_model=1024, d_ff=4096, vocab_size=30522, max_position=512)
 
 
@@ -63,7 +66,7 @@ def test_model_flops_per_token_gpt2_from_config():
 
 
 def _hf_model(arch, n_layer, d_model, d_ff, vocab_size, max_position, tied, kv_width=None, local_attention=None,
-              global_every=None):
+              global_every=None, experts=None, experts_per_token=None):
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
     if arch == "gpt2":
@@ -77,6 +80,13 @@ def _hf_model(arch, n_layer, d_model, d_ff, vocab_size, max_position, tied, kv_w
                                           vocab_size=vocab_size, max_position_embeddings=max_position,
                                           tie_word_embeddings=tied)
         cls = transformers.LlamaForCausalLM
+    elif arch == "mixtral":
+        config = transformers.MixtralConfig(num_hidden_layers=n_layer, hidden_size=d_model, num_attention_heads=4,
+                                            num_key_value_heads=4 * kv_width // d_model, intermediate_size=d_ff,
+                                            vocab_size=vocab_size, max_position_embeddings=max_position,
+                                            tie_word_embeddings=tied, num_local_experts=experts,
+                                            num_experts_per_tok=experts_per_token)
+        cls = transformers.MixtralForCausalLM
     elif arch == "modernbert":
         config = transformers.ModernBertConfig(num_hidden_layers=n_layer, hidden_size=d_model, num_attention_heads=4,
                                                intermediate_size=d_ff, vocab_size=vocab_size,
@@ -113,6 +123,9 @@ def _hf_model(arch, n_layer, d_model, d_ff, vocab_size, max_position, tied, kv_w
     (dict(arch="modernbert", n_layer=3, d_model=96, d_ff=144, vocab_size=257, max_position=64, local_attention=16,
           global_every=2), False),
     (MODERNBERT_BASE, True),
+    (dict(arch="mixtral", n_layer=2, d_model=64, d_ff=96, vocab_size=100, max_position=32, kv_width=32, experts=4,
+          experts_per_token=2), False),
+    (MIXTRAL_8X7B, False),
 ])
 def test_count_matches_transformers(dims, tied):
     model = _hf_model(**dims, tied=tied)
@@ -224,11 +237,16 @@ def test_published_sizes():
     assert count_params(**LLAMA_32_1B, tied_embeddings=True) == 1_235_814_400
     assert count_params(**MODERNBERT_BASE) == 149_655_232
     assert count_params(**LLAMA_3_8B, tied_embeddings=False) == 8_030_261_248
+    # Mixtral 8x7B: 46.7B in all; 12.9B active per token (2 of 8 experts), of which N counts all
+    # but the input embedding's 131M-entry lookup table
+    assert count_params(**MIXTRAL_8X7B, tied_embeddings=False) == 46_702_792_704
+    assert flops_params(**MIXTRAL_8X7B, tied_embeddings=False) + 32000 * 4096 == 12_879_925_248
 
 
 @pytest.mark.parametrize("arch, model", [("gpt2", {}), ("llama", {"n_kv_head": 2, "d_ff": 200}),
                                          ("llama", {"n_kv_head": 1, "tie_embeddings": False}), ("bert", {}),
-                                         ("modernbert", {"d_ff": 96, "global_attn_every": 1})])
+                                         ("modernbert", {"d_ff": 96, "global_attn_every": 1}),
+                                         ("mixtral", {"n_kv_head": 2, "d_ff": 48, "experts": 4, "experts_per_token": 2})])
 def test_flops_per_token_are_the_model_s_own_matmuls(arch, model):
     """The FLOPs of one training step as torch counts the model's matmuls (forward, loss and
     backward; attention through its matmul kernel, which the counter sees) equal the formula's,
@@ -245,6 +263,8 @@ def test_flops_per_token_are_the_model_s_own_matmuls(arch, model):
                                       **model},
                             "data": {"seq_len": 32, "vocab_size": 128, "mlm_probability": 0.25}})
     net = build_model(cfg.model, Vocab(size=128, pad_id=0, bos_id=1, eos_id=1, cls_id=2, sep_id=3, mask_id=4), 32)
+    if arch == "mixtral":  # one matmul per expert: torch's counter does not count the default grouped_mm
+        net.set_experts_implementation("eager")
     ids = torch.randint(5, 128, (2, 32), generator=torch.Generator().manual_seed(0))
     causal = family(arch).causal
     labels = ids if causal else torch.where(torch.arange(32) % 4 == 0, ids, -100)

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-                          ModernBertConfig, ModernBertForMaskedLM)
+                          MixtralConfig, MixtralForCausalLM, ModernBertConfig, ModernBertForMaskedLM)
 
 from helpers import BIN, OFFLINE
 from hvdtrain.config import ModelConfig
@@ -44,6 +44,11 @@ def model_folder(folder, arch: str):
         model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1,
                                              num_attention_heads=2, num_key_value_heads=1, intermediate_size=32,
                                              max_position_embeddings=32))
+    elif arch == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1,
+                                                 num_attention_heads=2, num_key_value_heads=1, intermediate_size=16,
+                                                 num_local_experts=4, num_experts_per_tok=2,
+                                                 max_position_embeddings=32))
     elif arch == "modernbert":
         model = ModernBertForMaskedLM(ModernBertConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=2,
                                                        num_attention_heads=2, intermediate_size=24,
@@ -86,7 +91,8 @@ def with_custom_code(folder, marker):
 
 TRAPS = {"pickled weights": with_pickled_weights, "custom code": with_custom_code}
 COMMANDS = {"gpt2": ["generate", "Once", "--max-new-tokens", "3"], "bert": ["fill-mask", "the [MASK] fox"],
-            "llama": ["generate", "Once", "--max-new-tokens", "3"], "modernbert": ["fill-mask", "the [MASK] fox"]}
+            "llama": ["generate", "Once", "--max-new-tokens", "3"], "modernbert": ["fill-mask", "the [MASK] fox"],
+            "mixtral": ["generate", "Once", "--max-new-tokens", "3"]}
 
 
 def run_closed_stdin(args) -> subprocess.CompletedProcess:
@@ -97,7 +103,7 @@ def run_closed_stdin(args) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.workers
-@pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "modernbert"])
+@pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "modernbert", "mixtral"])
 def test_generate_and_fill_mask_load_a_clean_folder(tmp_path, arch):
     proc = run_closed_stdin([COMMANDS[arch][0], model_folder(tmp_path / "model", arch), *COMMANDS[arch][1:]])
     assert proc.returncode == 0, proc.stderr[-2000:]

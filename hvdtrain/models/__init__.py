@@ -1,7 +1,7 @@
 """The model families hvdtrain trains, one folder each, and the registry that names them.
 
 A family folder holds everything that differs between, say, GPT-2 and BERT (the families:
-GPT-2, BERT, Llama, ModernBERT):
+GPT-2, BERT, Llama, ModernBERT, Mixtral):
   * `<family>/__init__.py` (no torch import, so `hvdtrain plan` and config checks start fast):
     a `Family` with the training objective, the tokenizer it trains, and its parameter counts
     for FLOPs, MFU and the planner;
@@ -16,7 +16,7 @@ Adding a family means adding a folder and one line to FAMILIES. Code elsewhere a
 instead of testing names.
 """
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Callable, Optional
 
@@ -26,6 +26,7 @@ FAMILIES = {
     "bert": "hvdtrain.models.bert",
     "llama": "hvdtrain.models.llama",
     "modernbert": "hvdtrain.models.modernbert",
+    "mixtral": "hvdtrain.models.mixtral",
 }
 NAMES = tuple(FAMILIES)
 
@@ -46,6 +47,9 @@ class ParameterCounts:
     lookups: int         # the tables among `embeddings` (no matmul: they do not count as FLOPs)
     head: int            # the head after the last layer, without the output matrix (v x d)
     untied_output: int   # what an output matrix not tied to the token embedding adds
+    # those of `layer` that a token does not multiply with (a mixture's experts it is not
+    # routed to): FLOPs and MFU count the active parameters, layer - unused
+    unused: int = 0
 
 
 @dataclass(frozen=True)
@@ -56,10 +60,10 @@ class Family:
     auto_class: str             # the transformers Auto class of a pretrained model
     special_tokens: dict        # a trained tokenizer's special tokens (transformers names)
     tokenizer: str              # the kind of tokenizer trained for it: "byte-level-bpe" or "wordpiece"
-    # parameter_counts(d_model, d_ff, vocab_size, max_position, kv_width)
-    parameter_counts: Callable[[int, int, int, int, int], ParameterCounts]
+    # parameter_counts(d_model, d_ff, vocab_size, max_position, kv_width, **family_shape's keys)
+    parameter_counts: Callable[..., ParameterCounts]
     # (n_layer, d_model, d_ff, vocab_size, max_position, tied_embeddings[, kv_width][, the
-    # attention layout: ModernBERT's local_attention, global_every]) of a transformers config
+    # family's own shape keys, as family_shape's]) of a transformers config
     shape_of: Callable[[object], dict]
     tensors_per_layer: int      # parameter tensors per layer: the allreduce count with tensor fusion off
     other_tensors: int          # parameter tensors outside the layers (embeddings, head)
@@ -69,9 +73,12 @@ class Family:
     # attended_keys(seq_len, **shape_of's dict): the keys each query attends to, summed over
     # the layers (the attention term of the FLOPs); every key in every layer by default
     attended_keys: Callable[..., int] = lambda seq_len, n_layer, **shape: n_layer * seq_len
-    # attention_shape(model config section): those of shape_of's keys that describe the layout
-    # of the attention (ModernBERT's local window), for a model described by the config
-    attention_shape: Callable[[object], dict] = lambda model: {}
+    # family_shape(model config section): those of shape_of's keys that only this family has
+    # (ModernBERT's attention layout, a mixture's experts), for a model described by the config
+    family_shape: Callable[[object], dict] = lambda model: {}
+    # The default of model.tie_embeddings: the output matrix is the token embedding (every
+    # family's but Mixtral's; a knob only where the family has it)
+    tie_embeddings: bool = True
     # Rotary position embeddings (Llama, ModernBERT): they turn pairs of each head's dimensions,
     # so the head dimension d_model / n_head must be even.
     rotary: bool = False
@@ -140,3 +147,12 @@ class ModelParts:
     # a masked LM: path of the module its masked positions go through before the vocabulary
     # projection (BERT's MLM transform); None: a causal LM, every position goes to the projection
     masked_head: Optional[str] = None
+    # keyword arguments of the body's forward in training (a mixture's output_router_logits)
+    body_options: dict = field(default_factory=dict)
+    # An auxiliary loss of training (a mixture's load balancing), None: the token losses alone.
+    # auxiliary_loss(model, body output, targets) -> (what the micro batch adds to its loss sum,
+    # a vector of statistics of it to log); statistics_record(the model's transformers config,
+    # those summed over a log interval's steps and the ranks, the interval's targets) -> the
+    # train record's entries.
+    auxiliary_loss: Optional[Callable] = None
+    statistics_record: Optional[Callable] = None

@@ -13,6 +13,7 @@ import shutil
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
@@ -197,16 +198,19 @@ def apply_speedups(model, cfg: ModelConfig):
 
 # ---------------------------------------------------------------- the loss
 
-def head_inputs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def head_inputs(model, batch: dict, body_output=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(features, targets): the (positions, d_model) inputs of the vocabulary projection
-    `model.get_output_embeddings()` and their labels.
+    `model.get_output_embeddings()` and their labels; `body_output`: the body's output for
+    `batch` when the caller has run it (training: token_loss_sum).
 
     Labels are already aligned with the model's outputs (the collator shifts causal LM
     labels), so every family shares the loss. A causal LM projects every position; a masked LM
     only the masked ones, through its head's own transform first (the family's
     PARTS.masked_head): the other ~85% would be computed and thrown away."""
     masked_head = family_of(model).modeling().PARTS.masked_head
-    hidden = model_body(model)(input_ids=batch["input_ids"]).last_hidden_state
+    if body_output is None:
+        body_output = model_body(model)(input_ids=batch["input_ids"])
+    hidden = body_output.last_hidden_state
     if masked_head is None:
         return hidden.flatten(0, 1), batch["labels"].flatten()
     hidden, labels = masked_positions(hidden, batch)
@@ -246,17 +250,42 @@ LOSS_CHUNK_ELEMENTS = 2 ** 26
 
 
 def token_loss_sum(model, batch: dict, chunk_elements: int = LOSS_CHUNK_ELEMENTS) -> torch.Tensor:
-    """Sum of the token cross-entropies over the labelled positions of `batch` (fp32 scalar).
+    """The loss sum training backpropagates for `batch` (training_sums), without its statistics."""
+    return training_sums(model, batch, chunk_elements)[0]
 
-    The same numbers, to fp32 rounding, as cross_entropy(logits.float(), labels, reduction="sum")
-    on the logits of logits_and_labels, without holding those logits: see LinearCrossEntropySum."""
-    if switch("HVDTRAIN_LOSS") == "logits":
-        logits, labels = logits_and_labels(model, batch)
-        return torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX,
-                                                 reduction="sum")
-    features, labels = head_inputs(model, batch)
+
+def statistics_record(model) -> Optional[Callable[[list[float], float], dict]]:
+    """What turns the statistics of training_sums, summed over a log interval's steps and the
+    ranks, into entries of the train record (the family's PARTS.statistics_record); None for a
+    family without an auxiliary loss."""
+    record = family_of(model).modeling().PARTS.statistics_record
+    return None if record is None else partial(record, model.config)
+
+
+def training_sums(model, batch: dict, chunk_elements: int = LOSS_CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss sum, statistics) of `batch`: the sum of the token cross-entropies over its labelled
+    positions (fp32 scalar), plus a family's auxiliary loss; and a vector of what the run logs
+    of that auxiliary loss (detached; empty without one).
+
+    The cross-entropies are the same numbers, to fp32 rounding, as cross_entropy(logits.float(),
+    labels, reduction="sum") on the logits of logits_and_labels, without holding those logits:
+    see LinearCrossEntropySum. A family with an auxiliary loss (a mixture's load balancing:
+    PARTS.auxiliary_loss) adds it once per target token, so that the step's loss per target
+    token (what training divides by) is the token loss plus the auxiliary loss averaged over
+    the step's micro batches, each weighted by its targets: the same at any number of workers."""
+    parts = family_of(model).modeling().PARTS
+    body_output = model_body(model)(input_ids=batch["input_ids"], **parts.body_options)
+    features, labels = head_inputs(model, batch, body_output)
     head = model.get_output_embeddings()
-    return linear_cross_entropy_sum(features, head.weight, head.bias, labels, chunk_elements)
+    if switch("HVDTRAIN_LOSS") == "logits":
+        loss = torch.nn.functional.cross_entropy(head(features).float(), labels, ignore_index=IGNORE_INDEX,
+                                                 reduction="sum")
+    else:
+        loss = linear_cross_entropy_sum(features, head.weight, head.bias, labels, chunk_elements)
+    if parts.auxiliary_loss is None:
+        return loss, loss.new_zeros(0)
+    auxiliary, statistics = parts.auxiliary_loss(model, body_output, (labels != IGNORE_INDEX).sum())
+    return loss + auxiliary, statistics
 
 
 def evaluation_sums(model, batch: dict, chunk_elements: int = LOSS_CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor, int]:

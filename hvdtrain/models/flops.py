@@ -20,10 +20,9 @@ def model_dims(cfg) -> dict:
     m = cfg.model
     return dict(arch=m.arch, n_layer=m.n_layer, d_model=m.d_model, d_ff=m.d_ff or 4 * m.d_model,
                 vocab_size=cfg.data.vocab_size, max_position=m.max_position or cfg.data.seq_len,
-                # every family ties by default (Llama: its model.tie_embeddings knob)
-                tied_embeddings=True if m.tie_embeddings is None else m.tie_embeddings,
+                tied_embeddings=family(m.arch).tie_embeddings if m.tie_embeddings is None else m.tie_embeddings,
                 kv_width=(m.n_kv_head or m.n_head) * (m.d_model // m.n_head),
-                **family(m.arch).attention_shape(m))
+                **family(m.arch).family_shape(m))
 
 
 def built_model_dims(config) -> Optional[dict]:
@@ -38,20 +37,20 @@ def built_model_dims(config) -> Optional[dict]:
 
 
 def count_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: int, max_position: int,
-                 tied_embeddings: bool = True, kv_width: Optional[int] = None, **attention) -> int:
+                 tied_embeddings: bool = True, kv_width: Optional[int] = None, **shape) -> int:
     """Parameters of the family's model (e.g. HF GPT2LMHeadModel), counted as
     `sum(p.numel() for p in model.parameters())` counts them (a tied weight once). kv_width:
     the width of the key and value projections (null: d_model; smaller with grouped-query
-    attention). `attention`: the layout of local and global layers (ModernBERT's
-    local_attention and global_every), which changes no parameter count."""
-    parts = family(arch).parameter_counts(d_model, d_ff, vocab_size, max_position, kv_width or d_model)
+    attention). `shape`: the family's own shape keys (Family.family_shape: ModernBERT's
+    layout of local and global layers, a mixture's experts)."""
+    parts = family(arch).parameter_counts(d_model, d_ff, vocab_size, max_position, kv_width or d_model, **shape)
     untied_output = 0 if tied_embeddings else parts.untied_output
     return parts.embeddings + n_layer * parts.layer + parts.head + untied_output
 
 
 def stage_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: int, max_position: int,
                  bounds: list[int], head_fraction: float = 1.0, tied_embeddings: bool = True,
-                 kv_width: Optional[int] = None, **attention) -> list[dict]:
+                 kv_width: Optional[int] = None, **shape) -> list[dict]:
     """Parameters of each pipeline stage of a model with tied (or untied) embeddings, split
     at the layer `bounds` of hvdtrain.parallel.pipeline_plan.stage_bounds: stage i owns layers
     bounds[i] .. bounds[i+1]-1, the first stage also the embeddings, the last one the head.
@@ -62,13 +61,13 @@ def stage_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: i
     so the stages hold V·d more parameters than the model (untied: the last stage's own output
     matrix); with one stage both counts are those of count_params and flops_params. The head (e.g. GPT-2's ln_f and lm_head; BERT's MLM
     transform, decoder and bias) counts with `head_fraction` in flops_params, as there."""
-    parts = family(arch).parameter_counts(d_model, d_ff, vocab_size, max_position, kv_width or d_model)
+    parts = family(arch).parameter_counts(d_model, d_ff, vocab_size, max_position, kv_width or d_model, **shape)
     v, d = vocab_size, d_model
     n = len(bounds) - 1
     stages = []
     for i in range(n):
         layers = bounds[i + 1] - bounds[i]
-        params, flops_n = layers * parts.layer, float(layers * parts.layer)
+        params, flops_n = layers * parts.layer, float(layers * (parts.layer - parts.unused))
         if i == 0:
             params += parts.embeddings
             flops_n += parts.embeddings - parts.lookups  # e.g. BERT's embedding LayerNorm
@@ -89,7 +88,7 @@ def head_fraction(cfg) -> float:
 
 def flops_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: int, max_position: int,
                  tied_embeddings: bool = True, head_fraction: float = 1.0, kv_width: Optional[int] = None,
-                 **attention) -> float:
+                 **shape) -> float:
     """N in the 6N term: the parameters every token multiplies with.
 
     That is all parameters except the lookup tables (position and token-type embeddings, and
@@ -101,13 +100,13 @@ def flops_params(arch: str, n_layer: int, d_model: int, d_ff: int, vocab_size: i
     The output head (GPT-2's lm_head; BERT's MLM transform, decoder and its bias) counts with
     `head_fraction`, the share of positions it runs on (see head_fraction(cfg)).
     """
-    total = count_params(arch, n_layer, d_model, d_ff, vocab_size, max_position, tied_embeddings, kv_width)
-    parts = family(arch).parameter_counts(d_model, d_ff, vocab_size, max_position, kv_width or d_model)
+    total = count_params(arch, n_layer, d_model, d_ff, vocab_size, max_position, tied_embeddings, kv_width, **shape)
+    parts = family(arch).parameter_counts(d_model, d_ff, vocab_size, max_position, kv_width or d_model, **shape)
     # The token table is the output projection when tied: a matmul, not a lookup. Untied, the
     # input table is a lookup and the separate output projection stays.
     lookups = parts.lookups - (vocab_size * d_model if tied_embeddings else 0)
     head = vocab_size * d_model + parts.head
-    return total - lookups - (1 - head_fraction) * head
+    return total - n_layer * parts.unused - lookups - (1 - head_fraction) * head
 
 
 def flops_per_token(n_params: float, n_layer: int, d_model: int, seq_len: int,

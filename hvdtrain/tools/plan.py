@@ -224,8 +224,9 @@ def largest_unit_params(cfg) -> int:
     """Parameters of parallel.shard=full's largest unit (hvdtrain.parallel.sharded_weights.units_of):
     a transformer layer, the embeddings, or the head with its output matrix (tied or not)."""
     dims = model_dims(cfg)
+    shape = family(dims["arch"]).family_shape(cfg.model)
     parts = family(dims["arch"]).parameter_counts(dims["d_model"], dims["d_ff"], dims["vocab_size"],
-                                                  dims["max_position"], dims["kv_width"])
+                                                  dims["max_position"], dims["kv_width"], **shape)
     return max(parts.layer, parts.embeddings, parts.head + dims["vocab_size"] * dims["d_model"])
 
 

@@ -17,12 +17,15 @@ from hvdtrain.observe import metrics
 class StepLog:
     """The train records (metrics.jsonl): each step's loss sum and target count are kept (on the
     device) until a log point, where they are summed over ranks and rank 0 writes a record per
-    step. `log`: the RunLog on rank 0, None elsewhere."""
+    step. `log`: the RunLog on rank 0, None elsewhere. With `statistics_record`
+    (models.common.statistics_record: a family with an auxiliary loss), a step's sums are a
+    vector, the loss sum followed by the auxiliary loss's statistics, which the record
+    gets summed over the interval."""
 
     def __init__(self, cfg, world, log, timer, guard, throughput, global_batch: int, grad_accum: int,
-                 copies_per_stage: int | None):
+                 copies_per_stage: int | None, statistics_record=None):
         self.cfg, self.world, self.log, self.timer = cfg, world, log, timer
-        self.guard, self.throughput = guard, throughput
+        self.guard, self.throughput, self.statistics_record = guard, throughput, statistics_record
         self.global_batch, self.grad_accum, self.copies_per_stage = global_batch, grad_accum, copies_per_stage
         self.losses, self.targets = [], []  # this log interval: local loss sums and global target counts
 
@@ -35,9 +38,10 @@ class StepLog:
 
     def write(self, step: int, lr: float, grad_norm: torch.Tensor):
         means, step_time = self.timer.interval()  # the steps only: logging below is not step time
-        local = torch.stack(self.losses).double().cpu().tolist()
-        # Horovod: allreduce (sum) of the interval's loss sums
-        per_step = [s / n for s, n in zip(distributed.allreduce_sum(local, name="loss"), self.targets)]
+        local = torch.stack(self.losses).double().reshape(len(self.losses), -1)
+        # Horovod: allreduce (sum) of the interval's loss sums (and statistics)
+        sums = torch.tensor(distributed.allreduce_sum(local.flatten().cpu().tolist(), name="loss")).reshape(local.shape)
+        per_step = [s / n for s, n in zip(sums[:, 0].tolist(), self.targets)]
         per_rank = distributed.allgather_floats(means + [step_time], name="timings")  # Horovod: allgather
         skipped = self.guard.interval()
         if self.log is not None:
@@ -45,6 +49,8 @@ class StepLog:
             breakdown = (metrics.summarize_ranks(per_rank, cfg.log.imbalance_threshold, self.copies_per_stage)
                          if cfg.log.step_breakdown else None)
             measured = {**self.throughput.record(step_time), **skipped, "grad_norm": float(grad_norm)}
+            if self.statistics_record is not None:
+                measured.update(self.statistics_record(sums[:, 1:].sum(dim=0).tolist(), sum(self.targets)))
             self.log.train_record(metrics.train_record(step, per_step, lr, self.world.size, self.global_batch,
                                                        self.grad_accum, measured, breakdown))
         self.losses, self.targets = [], []

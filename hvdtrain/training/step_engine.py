@@ -35,7 +35,7 @@ from hvdtrain.parallel import distributed, parallel_dims, pipeline
 from hvdtrain.parallel.distributed import hvd
 from hvdtrain.parallel.sharded_weights import ShardedWeights
 from hvdtrain.config import Config
-from hvdtrain.models.common import IGNORE_INDEX, evaluation_sums, token_loss_sum
+from hvdtrain.models.common import IGNORE_INDEX, evaluation_sums, training_sums
 
 
 def autocast_for(device: torch.device, precision: str):
@@ -68,15 +68,18 @@ class PlainStep:
 
     def forward_backward(self, micro_batches: list[dict], timer) -> torch.Tensor:
         """Forward and backward of each micro batch; Horovod's hooks start the allreduce during
-        the last backward. Returns this rank's sum of token losses (a device tensor)."""
-        loss_sum = torch.zeros((), device=self.device)
+        the last backward. Returns this rank's sum of token losses (a device tensor), followed,
+        for a family with an auxiliary loss, by the statistics of it that the run logs (a
+        vector then: models.common.training_sums)."""
+        sums = torch.zeros((), device=self.device)
         for mb in micro_batches:
             with timer.phase("forward"), self.autocast:
-                loss = token_loss_sum(self.model, mb)  # chunked: never the whole batch's logits
+                loss, statistics = training_sums(self.model, mb)  # chunked: never the whole batch's logits
             with timer.phase("backward"):
                 self.scaler.scale(loss * self.normalizer.loss_scale).backward()
-            loss_sum += loss.detach()
-        return loss_sum
+            step_sums = loss.detach() if statistics.numel() == 0 else torch.cat([loss.detach().reshape(1), statistics])
+            sums = sums + step_sums
+        return sums
 
     def reduce_gradients(self):
         """Wait for the gradient allreduce started in backward."""

@@ -38,7 +38,7 @@ from hvdtrain.data import DataBundle, build_data
 from hvdtrain.errors import UserError
 from hvdtrain.checkpointing.export import export_checkpoint
 from hvdtrain.optim.lr_schedule import lr_multiplier
-from hvdtrain.models.common import apply_speedups, keep_generation_config, model_blueprint
+from hvdtrain.models.common import apply_speedups, keep_generation_config, model_blueprint, statistics_record
 from hvdtrain.models.ties import tie_aliases
 from hvdtrain.optim.optimizers import build_optimizer
 from hvdtrain.paths import check_writable_folder
@@ -419,7 +419,7 @@ def opened_run(cfg: Config, s: Setup, commit, events) -> Iterator[Run]:
         yield Run(world, last_step, batches, timer, distributed.StepTotals(s.engine.stages), guard, preemption,
                   watchdog, profiler,
                   StepLog(cfg, world, log, timer, guard, throughput, s.global_batch, s.grad_accum,
-                          s.engine.copies_per_stage),
+                          s.engine.copies_per_stage, statistics_record(s.model)),
                   Evaluator(cfg, s.engine, eval_loader, log, timer, watchdog, last_step),
                   Checkpointer(cfg, state, guard, timer, watchdog, last_step),
                   Commits(cfg, commit, last_step), log)

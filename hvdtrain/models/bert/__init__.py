@@ -5,7 +5,7 @@ from hvdtrain.models import Family, ParameterCounts, transformer_layer
 TOKEN_TYPES = 2
 
 
-def parameter_counts(d: int, f: int, v: int, max_position: int, kv_width: int) -> ParameterCounts:
+def parameter_counts(d: int, f: int, v: int, max_position: int, kv_width: int, **shape) -> ParameterCounts:
     # kv_width is d: multi-head attention, its key and value projections as wide as the queries
     return ParameterCounts(
         layer=transformer_layer(d, f),  # the same layer as GPT-2's

@@ -2,7 +2,7 @@
 from hvdtrain.models import Family, ParameterCounts, transformer_layer
 
 
-def parameter_counts(d: int, f: int, v: int, max_position: int, kv_width: int) -> ParameterCounts:
+def parameter_counts(d: int, f: int, v: int, max_position: int, kv_width: int, **shape) -> ParameterCounts:
     # kv_width is d: multi-head attention, its key and value projections as wide as the queries
     return ParameterCounts(
         layer=transformer_layer(d, f),

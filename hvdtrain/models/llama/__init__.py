@@ -14,7 +14,7 @@ ROPE_THETA = 500_000.0
 RMS_NORM_EPS = 1e-5
 
 
-def parameter_counts(d: int, f: int, v: int, max_position: int, kv_width: int) -> ParameterCounts:
+def parameter_counts(d: int, f: int, v: int, max_position: int, kv_width: int, **shape) -> ParameterCounts:
     return ParameterCounts(
         # q and o projections (d x d), k and v (kv_width x d: GQA's smaller ones), the three
         # SwiGLU matrices, two RMSNorm weights; no biases
@@ -42,4 +42,4 @@ FAMILY = Family(
     # q, k, v, o, gate, up, down, two RMSNorms: one weight each; outside: embed_tokens and the
     # final norm (plus lm_head when untied, which the planner's count leaves out)
     tensors_per_layer=9, other_tensors=2,
-    knobs=("n_kv_head", "rope_theta", "tie_embeddings"), rotary=True)
+    knobs=("n_kv_head", "rope_theta", "tie_embeddings"), tie_embeddings=TIE_EMBEDDINGS, rotary=True)

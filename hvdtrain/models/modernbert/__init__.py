@@ -15,7 +15,7 @@ GLOBAL_ROPE_THETA = 160_000.0
 LOCAL_ROPE_THETA = 10_000.0
 
 
-def parameter_counts(d: int, f: int, v: int, max_position: int, kv_width: int) -> ParameterCounts:
+def parameter_counts(d: int, f: int, v: int, max_position: int, kv_width: int, **shape) -> ParameterCounts:
     # kv_width is d: multi-head attention
     return ParameterCounts(
         # fused Wqkv (3d x d), Wo, GeGLU's Wi (2f x d) and Wo (d x f), attention and MLP norms
@@ -53,7 +53,7 @@ def shape_of(config) -> dict:
                 global_every=next((i for i, t in enumerate(types) if i and t == "full_attention"), len(types)))
 
 
-def attention_shape(model) -> dict:
+def family_shape(model) -> dict:
     return dict(local_attention=model.local_attention or LOCAL_ATTENTION,
                 global_every=model.global_attn_every or GLOBAL_ATTN_EVERY)
 
@@ -68,4 +68,4 @@ FAMILY = Family(
     # head's dense and norm, the decoder's bias, less the first layer's missing attn_norm
     tensors_per_layer=6, other_tensors=5,
     knobs=("local_attention", "global_attn_every"), attended_keys=attended_keys,
-    attention_shape=attention_shape, rotary=True)
+    family_shape=family_shape, rotary=True)

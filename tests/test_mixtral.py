@@ -1,0 +1,97 @@
+"""The Mixtral family (a mixture of experts in each layer, top-k routed, dropless, with Switch
+Transformer's load-balancing loss): its loss is transformers' own, the loss spreads the tokens,
+np=2 equals np=1 through real horovodrun workers with the routing statistics logged, and the
+exported folder is a MixtralForCausalLM with the trained model's logits. (FLOPs and parameter
+counts: test_flops; the streamed export: test_export_streaming; bad input: test_errors.)"""
+import pytest
+import torch
+import transformers
+
+from helpers import (assert_same_losses, assert_same_params, load_params, read_metrics, step_losses,
+                     train_workers)
+from hvdtrain.config import ModelConfig
+from hvdtrain.models.common import IGNORE_INDEX, Vocab, build_model, statistics_record, training_sums
+
+VOCAB = Vocab(size=128, pad_id=0, bos_id=1, eos_id=2)
+
+
+def tiny_mixtral(**model) -> torch.nn.Module:
+    return build_model(ModelConfig(arch="mixtral", n_layer=2, n_head=2, n_kv_head=1, d_model=32, d_ff=32,
+                                   experts=4, dropout=0.0, **model), VOCAB, 16)
+
+
+def test_the_loss_is_transformers_token_loss_plus_its_router_loss():
+    """training_sums per target token equals MixtralForCausalLM's own loss (mean cross-entropy
+    plus router_aux_loss_coef x load_balancing_loss_func); the statistics count every token's
+    k experts in every layer."""
+    torch.manual_seed(0)
+    model = tiny_mixtral(experts_per_token=2, router_aux_loss_coef=0.5)
+    ids = torch.randint(3, 128, (2, 16))
+    # hvdtrain's labels are aligned with the outputs (the collator shifts them); transformers shifts its own
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), IGNORE_INDEX)], dim=1)
+    loss, statistics = training_sums(model, {"input_ids": ids, "labels": labels})
+    theirs = model(input_ids=ids, labels=ids, output_router_logits=True)
+    targets = 2 * 15
+    torch.testing.assert_close(loss / targets, theirs.loss, rtol=1e-5, atol=1e-6)
+    record = statistics_record(model)(statistics.tolist(), targets)
+    assert record["aux_loss"] == pytest.approx(0.5 * theirs.aux_loss.item(), rel=1e-5)
+    assert [sum(layer) for layer in record["expert_tokens"]] == [2 * 16 * 2] * 2  # tokens x k, per layer
+    assert record["expert_load_max"] == max(record["expert_load"]) >= 1.0
+
+
+@pytest.mark.parametrize("coefficient", [0.0, 1.0])
+def test_the_load_balancing_loss_spreads_the_tokens(coefficient):
+    """Routers that send every token to expert 0 (its row reads a feature every token has):
+    with top-1 routing the token loss gives a router no gradient (the chosen expert's weight is
+    1), so without the auxiliary loss all tokens stay on one expert (load 4.0 of 4); with it the
+    busiest expert's share falls within 40 steps (to about half, measured)."""
+    torch.manual_seed(0)
+    model = tiny_mixtral(experts_per_token=1, router_aux_loss_coef=coefficient)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        for layer in model.model.layers:
+            layer.mlp.gate.weight[0, 0] = 3.0
+    record = statistics_record(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = torch.Generator().manual_seed(0)
+    loads = []
+    for _ in range(40):
+        ids = torch.randint(3, 128, (8, 16), generator=data)
+        loss, statistics = training_sums(model, {"input_ids": ids, "labels": ids})
+        (loss / ids.numel()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        loads.append(record(statistics.tolist(), ids.numel())["expert_load_max"])
+    assert loads[0] == 4.0
+    last = sum(loads[-10:]) / 10
+    assert (last < 3.0) if coefficient else (last > 3.5), loads
+
+
+@pytest.mark.workers
+def test_two_workers_equal_one_worker_with_the_routing_logged(tmp_path, tiny_config):
+    """Same global batch (4 x 2), top-2 of 4 experts, a large router loss and clipping active:
+    per-step losses (the router loss included), the logged router loss and expert loads, and
+    the final parameters agree; the export is a MixtralForCausalLM with the trained weights' logits."""
+    config = tiny_config({"model": {"arch": "mixtral", "n_kv_head": 1, "experts": 4, "experts_per_token": 2,
+                                    "d_ff": 32, "router_aux_loss_coef": 0.5},
+                          "train": {"global_batch_size": 8, "max_steps": 8, "grad_clip": 0.5}})
+    one, two = tmp_path / "np1", tmp_path / "np2"
+    train_workers(1, config, f"out_dir={one}")
+    train_workers(2, config, f"out_dir={two}")
+    assert_same_losses(step_losses(one), step_losses(two), min_steps=8)
+    records = [read_metrics(run)[0] for run in (one, two)]
+    for a, b in zip(*records):
+        assert a["aux_loss"] == pytest.approx(b["aux_loss"], rel=1e-5) and a["aux_loss"] > 0.4
+        assert a["expert_tokens"] == b["expert_tokens"]
+        assert [sum(layer) for layer in a["expert_tokens"]] == [8 * 16 * 2] * 2  # a step's tokens x k, per layer
+    assert all(r["grad_norm"] > 0.5 for r in records[0])  # clipped
+    assert_same_params(load_params(two, 0), load_params(two, 1))
+    assert_same_params(load_params(one, 0), load_params(two, 0), atol=1e-5)
+
+    exported = transformers.MixtralForCausalLM.from_pretrained(two / "hf").eval()
+    trained = tiny_mixtral(experts_per_token=2)
+    trained.load_state_dict({name: load_params(two, 0)[name] for name in trained.state_dict()})
+    ids = torch.randint(3, 128, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=ids).logits, trained.eval()(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
