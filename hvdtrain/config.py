@@ -95,6 +95,9 @@ class ModelConfig:
     # Weight of Switch Transformer's load-balancing loss in the training loss (1.0 when the
     # tokens spread evenly over the experts); 0 turns it off. null: 0.02 (Mixtral's)
     router_aux_loss_coef: Optional[float] = None
+    # Weight of ST-MoE's router z-loss (the mean squared log-sum-exp of the router logits,
+    # which keeps them small); null: 0, off (ST-MoE and OLMoE use 0.001)
+    router_z_loss_coef: Optional[float] = None
     # ModernBERT:
     # Tokens a local attention layer attends to around each position (half on each side);
     # null: 128 (ModernBERT-base and -large).
@@ -115,8 +118,9 @@ class ModelConfig:
         _require(self.experts_per_token is None or 1 <= self.experts_per_token <= experts,
                  "model.experts_per_token", f"an integer in [1, model.experts={experts}] or null",
                  self.experts_per_token)
-        _require(self.router_aux_loss_coef is None or self.router_aux_loss_coef >= 0, "model.router_aux_loss_coef",
-                 "a number >= 0 or null", self.router_aux_loss_coef)
+        for coefficient in ("router_aux_loss_coef", "router_z_loss_coef"):
+            _require(getattr(self, coefficient) is None or getattr(self, coefficient) >= 0, f"model.{coefficient}",
+                     "a number >= 0 or null", getattr(self, coefficient))
         _require(self.rope_theta is None or self.rope_theta > 0, "model.rope_theta", "a number > 0 or null",
                  self.rope_theta)
         _require(self.local_attention is None or (self.local_attention >= 2 and self.local_attention % 2 == 0),

@@ -20,21 +20,23 @@ def tiny_mixtral(**model) -> torch.nn.Module:
                                    experts=4, dropout=0.0, **model), VOCAB, 16)
 
 
-def test_the_loss_is_transformers_token_loss_plus_its_router_loss():
+def test_the_loss_is_transformers_token_loss_plus_the_router_losses():
     """training_sums per target token equals MixtralForCausalLM's own loss (mean cross-entropy
-    plus router_aux_loss_coef x load_balancing_loss_func); the statistics count every token's
-    k experts in every layer."""
+    plus router_aux_loss_coef x load_balancing_loss_func) plus router_z_loss_coef x ST-MoE's
+    z-loss; the statistics count every token's k experts in every layer."""
     torch.manual_seed(0)
-    model = tiny_mixtral(experts_per_token=2, router_aux_loss_coef=0.5)
+    model = tiny_mixtral(experts_per_token=2, router_aux_loss_coef=0.5, router_z_loss_coef=0.1)
     ids = torch.randint(3, 128, (2, 16))
     # hvdtrain's labels are aligned with the outputs (the collator shifts them); transformers shifts its own
     labels = torch.cat([ids[:, 1:], torch.full((2, 1), IGNORE_INDEX)], dim=1)
     loss, statistics = training_sums(model, {"input_ids": ids, "labels": labels})
     theirs = model(input_ids=ids, labels=ids, output_router_logits=True)
     targets = 2 * 15
-    torch.testing.assert_close(loss / targets, theirs.loss, rtol=1e-5, atol=1e-6)
+    z_loss = sum((torch.logsumexp(logits, dim=-1) ** 2).mean() for logits in theirs.router_logits) / 2
+    torch.testing.assert_close(loss / targets, theirs.loss + 0.1 * z_loss, rtol=1e-5, atol=1e-6)
     record = statistics_record(model)(statistics.tolist(), targets)
     assert record["aux_loss"] == pytest.approx(0.5 * theirs.aux_loss.item(), rel=1e-5)
+    assert record["z_loss"] == pytest.approx(0.1 * z_loss.item(), rel=1e-5)
     assert [sum(layer) for layer in record["expert_tokens"]] == [2 * 16 * 2] * 2  # tokens x k, per layer
     assert record["expert_load_max"] == max(record["expert_load"]) >= 1.0
 
@@ -95,3 +97,20 @@ def test_two_workers_equal_one_worker_with_the_routing_logged(tmp_path, tiny_con
     with torch.no_grad():
         torch.testing.assert_close(exported(input_ids=ids).logits, trained.eval()(input_ids=ids).logits,
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.workers
+@pytest.mark.parametrize("shard", ["full", pytest.param("optimizer", marks=pytest.mark.deep)])
+def test_sharding_levels_train_like_plain_data_parallelism(tmp_path, tiny_config, shard):
+    """The experts' 3D weights go through the sharded optimizer's slices (and, with "full",
+    the gathered units) as any other parameter: the same losses and exported weights (with
+    "full" the model object holds none after the run)."""
+    from safetensors.torch import load_file
+    config = tiny_config({"model": {"arch": "mixtral", "n_kv_head": 1, "d_ff": 32, "experts": 4,
+                                    "experts_per_token": 2, "router_z_loss_coef": 0.01},
+                          "train": {"global_batch_size": 8}})
+    plain, sharded = tmp_path / "plain", tmp_path / "sharded"
+    train_workers(2, config, f"out_dir={plain}")
+    train_workers(2, config, f"out_dir={sharded}", f"parallel.shard={shard}")
+    assert_same_losses(step_losses(plain), step_losses(sharded))
+    assert_same_params(*(load_file(str(run / "hf" / "model.safetensors")) for run in (plain, sharded)), atol=1e-6)

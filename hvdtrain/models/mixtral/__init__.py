@@ -6,7 +6,8 @@ biases) whose SwiGLU MLP is replaced by `model.experts` SwiGLU MLPs and a router
 goes to the `model.experts_per_token` experts its router scores highest, and their outputs
 are summed with the router's renormalised weights (dropless: every token reaches its k
 experts). Switch Transformer's load-balancing loss, scaled by `model.router_aux_loss_coef`,
-is added to the training loss so that the router spreads the tokens.
+is added to the training loss so that the router spreads the tokens; optionally ST-MoE's
+router z-loss (`model.router_z_loss_coef`), which keeps the router logits small.
 """
 from hvdtrain.models import Family, ParameterCounts
 
@@ -15,6 +16,7 @@ from hvdtrain.models import Family, ParameterCounts
 EXPERTS = 8
 EXPERTS_PER_TOKEN = 2
 ROUTER_AUX_LOSS_COEF = 0.02
+ROUTER_Z_LOSS_COEF = 0.0
 TIE_EMBEDDINGS = False
 
 
@@ -51,5 +53,6 @@ FAMILY = Family(
     # q, k, v, o, the router, the experts' gate_up and down tensors (one 3D tensor each for all
     # experts), two RMSNorms; outside: embed_tokens and the final norm
     tensors_per_layer=9, other_tensors=2,
-    knobs=("n_kv_head", "rope_theta", "tie_embeddings", "experts", "experts_per_token", "router_aux_loss_coef"),
+    knobs=("n_kv_head", "rope_theta", "tie_embeddings", "experts", "experts_per_token", "router_aux_loss_coef",
+           "router_z_loss_coef"),
     family_shape=family_shape, tie_embeddings=TIE_EMBEDDINGS, rotary=True)
