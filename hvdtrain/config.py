@@ -31,6 +31,7 @@ from hvdtrain.errors import UserError
 from hvdtrain.models import NAMES as FAMILY_NAMES
 from hvdtrain.models import family, knob_owners
 from hvdtrain.models.mixtral import EXPERTS as MIXTRAL_EXPERTS
+from hvdtrain.models.mixtral import EXPERTS_PER_TOKEN as MIXTRAL_EXPERTS_PER_TOKEN
 
 KNOBS = knob_owners()  # model.* keys that only some families have -> those families
 
@@ -92,7 +93,7 @@ class ModelConfig:
     experts: Optional[int] = None  # experts per layer; null: 8 (Mixtral 8x7B)
     # experts each token is routed to (top-k, dropless); at most model.experts; null: 2
     experts_per_token: Optional[int] = None
-    # Weight of Switch Transformer's load-balancing loss in the training loss (1.0 when the
+    # Weight of Switch Transformer's load-balancing loss in the training loss (experts_per_token when the
     # tokens spread evenly over the experts); 0 turns it off. null: 0.02 (Mixtral's)
     router_aux_loss_coef: Optional[float] = None
     # Weight of ST-MoE's router z-loss (the mean squared log-sum-exp of the router logits,
@@ -112,12 +113,13 @@ class ModelConfig:
                      f"null with model.arch {self.arch} (a knob of {', '.join(owners)} only)", getattr(self, knob))
         _require(self.n_kv_head is None or (self.n_kv_head >= 1 and self.n_head % self.n_kv_head == 0),
                  "model.n_kv_head", f"a divisor of model.n_head ({self.n_head}) or null", self.n_kv_head)
-        _require(self.experts is None or self.experts >= 1, "model.experts", "an integer >= 1 or null",
-                 self.experts)
         experts = self.experts or MIXTRAL_EXPERTS
         _require(self.experts_per_token is None or 1 <= self.experts_per_token <= experts,
-                 "model.experts_per_token", f"an integer in [1, model.experts={experts}] or null",
+                 "model.experts_per_token", f"an integer in [1, model.experts ({experts})] or null",
                  self.experts_per_token)
+        top_k = self.experts_per_token or MIXTRAL_EXPERTS_PER_TOKEN
+        _require(self.experts is None or self.experts >= top_k, "model.experts",
+                 f"an integer >= model.experts_per_token ({top_k}) or null", self.experts)
         for coefficient in ("router_aux_loss_coef", "router_z_loss_coef"):
             _require(getattr(self, coefficient) is None or getattr(self, coefficient) >= 0, f"model.{coefficient}",
                      "a number >= 0 or null", getattr(self, coefficient))

@@ -201,7 +201,7 @@ def apply_speedups(model, cfg: ModelConfig):
 def head_inputs(model, batch: dict, body_output=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(features, targets): the (positions, d_model) inputs of the vocabulary projection
     `model.get_output_embeddings()` and their labels; `body_output`: the body's output for
-    `batch` when the caller has run it (training: token_loss_sum).
+    `batch` when the caller has run it (training: training_sums).
 
     Labels are already aligned with the model's outputs (the collator shifts causal LM
     labels), so every family shares the loss. A causal LM projects every position; a masked LM
@@ -238,7 +238,7 @@ def masked_positions(hidden: torch.Tensor, batch: dict) -> tuple[torch.Tensor, t
 
 def logits_and_labels(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat (positions, vocab) logits and their labels (see head_inputs): the whole micro batch's
-    logits, for tests and the HVDTRAIN_LOSS=logits switch. Training (token_loss_sum) and
+    logits, for tests. Training (training_sums, but for the HVDTRAIN_LOSS=logits switch) and
     evaluation (evaluation_sums) never hold them all."""
     features, labels = head_inputs(model, batch)
     return model.get_output_embeddings()(features), labels
@@ -272,7 +272,8 @@ def training_sums(model, batch: dict, chunk_elements: int = LOSS_CHUNK_ELEMENTS)
     see LinearCrossEntropySum. A family with an auxiliary loss (a mixture's load balancing:
     PARTS.auxiliary_loss) adds it once per target token, so that the step's loss per target
     token (what training divides by) is the token loss plus the auxiliary loss averaged over
-    the step's micro batches, each weighted by its targets: the same at any number of workers."""
+    the step's micro batches, each weighted by its targets: the same at any number of workers
+    whose micro batches hold the same samples."""
     parts = family_of(model).modeling().PARTS
     body_output = model_body(model)(input_ids=batch["input_ids"], **parts.body_options)
     features, labels = head_inputs(model, batch, body_output)

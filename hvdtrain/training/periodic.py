@@ -40,7 +40,8 @@ class StepLog:
         means, step_time = self.timer.interval()  # the steps only: logging below is not step time
         local = torch.stack(self.losses).double().reshape(len(self.losses), -1)
         # Horovod: allreduce (sum) of the interval's loss sums (and statistics)
-        sums = torch.tensor(distributed.allreduce_sum(local.flatten().cpu().tolist(), name="loss")).reshape(local.shape)
+        sums = torch.tensor(distributed.allreduce_sum(local.flatten().cpu().tolist(), name="loss"),
+                            dtype=torch.float64).reshape(local.shape)
         per_step = [s / n for s, n in zip(sums[:, 0].tolist(), self.targets)]
         per_rank = distributed.allgather_floats(means + [step_time], name="timings")  # Horovod: allgather
         skipped = self.guard.interval()

@@ -16,7 +16,7 @@
 
 All three answer the same calls, which the loop (hvdtrain.training.train.run_steps) makes in this order:
 
-    loss_sum = engine.forward_backward(micro_batches, timer)  # this rank's summed token losses
+    loss_sum = engine.forward_backward(micro_batches, timer)  # this rank's summed token losses (+ statistics)
     engine.reduce_gradients()                     # every copy holds the reduced gradients (sharded: its slices)
     engine.normalize(global_targets)              # ... divided by the step's target tokens (distributed.StepTotals)
     grad_norm = engine.clip_gradients(max_norm)   # unscaled, one norm, clipped

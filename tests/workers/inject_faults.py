@@ -17,7 +17,7 @@ from hvdtrain.training import train as training
 signal_rank, signal_step = map(int, os.environ.get("HVDTRAIN_TEST_SIGNAL", "-1:-1").split(":"))
 nan_steps = {int(s) for s in os.environ.get("HVDTRAIN_TEST_NAN_STEPS", "").split(",") if s}
 current = {"step": -1}
-real_lr_multiplier, real_token_loss_sum = training.lr_multiplier, step_engine.token_loss_sum
+real_lr_multiplier, real_training_sums = training.lr_multiplier, step_engine.training_sums
 
 
 def lr_multiplier(step, cfg):  # called once at the start of every step
@@ -27,10 +27,10 @@ def lr_multiplier(step, cfg):  # called once at the start of every step
     return real_lr_multiplier(step, cfg)
 
 
-def token_loss_sum(model, batch):
-    loss = real_token_loss_sum(model, batch)
-    return loss * float("nan") if current["step"] in nan_steps else loss
+def training_sums(model, batch):
+    loss, statistics = real_training_sums(model, batch)
+    return (loss * float("nan") if current["step"] in nan_steps else loss), statistics
 
 
-training.lr_multiplier, step_engine.token_loss_sum = lr_multiplier, token_loss_sum
+training.lr_multiplier, step_engine.training_sums = lr_multiplier, training_sums
 sys.exit(cli.main(["train", *sys.argv[1:]]))

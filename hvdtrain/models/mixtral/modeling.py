@@ -41,7 +41,8 @@ def routing_loss(model, body_output, targets: torch.Tensor) -> tuple[torch.Tenso
 
     The load-balancing loss is Switch Transformer's over every layer's router logits
     (transformers' load_balancing_loss_func: experts x the sum over experts of the share of
-    routed tokens sent to it x its mean router probability; 1 when the tokens spread evenly),
+    routed tokens sent to it x its mean router probability; k, the experts per token, when the
+    tokens spread evenly),
     times model.router_aux_loss_coef; the z-loss ST-MoE's (the squared log-sum-exp of each
     token's router logits, averaged over tokens and layers), times model.router_z_loss_coef.
     Both count once for each of the micro batch's `targets` (see models.common.training_sums)."""
