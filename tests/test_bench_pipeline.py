@@ -68,17 +68,18 @@ def test_smallest_run(tmp_path):
 
 @pytest.mark.workers
 def test_each_stage_holds_the_micro_batches_in_flight_not_every_micro_batch_of_a_run():
-    """2 stages, a received tensor (activation or gradient) of 1 MiB: from m = 4 to 12 torch's
+    """2 stages, a received tensor (activation or gradient) of 2 MiB: from m = 4 to 12 torch's
     own PipelineStage (HVDTRAIN_STAGE=torch) keeps 8 more gradient buffers on the first stage;
     hvdtrain's keeps neither those nor, on the last stage, the activations that the run's
-    losses hold through their graphs."""
+    losses hold through their graphs. The peak RSS moves by up to ~4.5 MiB from run to run
+    (measured), so the signal is 16 MiB and the bound half of it."""
     growth = {}
     for stage_class in ("torch", "in-flight"):
         proc = hvdtrain("bench", "pipeline", "--microbatches", "4,12", "--micro-batch", "4", "--steps", "4",
-                        "--log-every", "2", "--json", "data.seq_len=256", "model.d_model=256", "model.n_head=4",
+                        "--log-every", "2", "--json", "data.seq_len=512", "model.d_model=256", "model.n_head=4",
                         timeout=600, env={"HVDTRAIN_STAGE": stage_class})
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         few, many = json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
         growth[stage_class] = [(b - a) / 2 ** 20 for a, b in zip(few["peak_bytes"], many["peak_bytes"])]
-    assert growth["torch"][0] > 6, growth  # 8 MiB of gradient buffers: the measurement sees them
-    assert all(g < 3 for g in growth["in-flight"]), growth
+    assert growth["torch"][0] > 12, growth  # 16 MiB of gradient buffers: the measurement sees them
+    assert all(g < 8 for g in growth["in-flight"]), growth
