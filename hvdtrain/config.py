@@ -99,6 +99,12 @@ class ModelConfig:
     # Weight of ST-MoE's router z-loss (the mean squared log-sum-exp of the router logits,
     # which keeps them small); null: 0, off (ST-MoE and OLMoE use 0.001)
     router_z_loss_coef: Optional[float] = None
+    # Each expert takes at most capacity_factor x (tokens x experts_per_token / experts) of a
+    # micro batch's tokens per layer (Switch Transformer, GShard): the rest of its tokens skip
+    # it (their other experts and the residual connection carry them), first choices before
+    # second ones, earlier tokens first; the log counts them (expert_dropped). null: dropless,
+    # every token reaches its experts however many choose the same one.
+    capacity_factor: Optional[float] = None
     # ModernBERT:
     # Tokens a local attention layer attends to around each position (half on each side);
     # null: 128 (ModernBERT-base and -large).
@@ -120,6 +126,8 @@ class ModelConfig:
         top_k = self.experts_per_token or MIXTRAL_EXPERTS_PER_TOKEN
         _require(self.experts is None or self.experts >= top_k, "model.experts",
                  f"an integer >= model.experts_per_token ({top_k}) or null", self.experts)
+        _require(self.capacity_factor is None or self.capacity_factor > 0, "model.capacity_factor",
+                 "a number > 0 or null", self.capacity_factor)
         for coefficient in ("router_aux_loss_coef", "router_z_loss_coef"):
             _require(getattr(self, coefficient) is None or getattr(self, coefficient) >= 0, f"model.{coefficient}",
                      "a number >= 0 or null", getattr(self, coefficient))
@@ -372,10 +380,17 @@ class ParallelConfig:
     shard: Literal[SHARD_LEVELS] = "none"
     # Deprecated spelling of shard: "optimizer" (true); false leaves parallel.shard as it is.
     shard_optimizer: bool = False
+    # Expert parallelism (model.arch mixtral, docs/experts.md): the experts of each layer split
+    # over this many neighbouring workers, each token sent to the workers holding its experts and
+    # back with Horovod's alltoall; the expert weights' gradients reduced over the workers / e
+    # holding the same experts, the others' over all. Must divide model.experts and the workers.
+    # 1: every worker holds every expert.
+    expert_parallel: int = 1
 
     def check(self):
         _require(self.pipeline_stages >= 1, "parallel.pipeline_stages", "an integer >= 1", self.pipeline_stages)
         _require(self.stages_per_rank >= 1, "parallel.stages_per_rank", "an integer >= 1", self.stages_per_rank)
+        _require(self.expert_parallel >= 1, "parallel.expert_parallel", "an integer >= 1", self.expert_parallel)
         _require(self.microbatches is None or self.microbatches >= 1, "parallel.microbatches",
                  "null or an integer >= 1", self.microbatches)
         _require(not self.shard_optimizer or self.shard in ("none", "optimizer"), "parallel.shard_optimizer",
@@ -665,6 +680,14 @@ def validate(cfg: Config):
     _require(m.arch != "mixtral" or par.pipeline_stages == 1, "parallel.pipeline_stages",
              "1 with model.arch mixtral (pipeline stages do not carry the routers' load-balancing loss yet)",
              par.pipeline_stages)
+    if par.expert_parallel > 1:
+        _require(m.arch == "mixtral", "parallel.expert_parallel", f"1 with model.arch {m.arch!r} (a family without "
+                 "experts)", par.expert_parallel)
+        experts = m.experts or MIXTRAL_EXPERTS
+        _require(experts % par.expert_parallel == 0, "parallel.expert_parallel",
+                 f"a divisor of model.experts ({experts})", par.expert_parallel)
+        _require(par.shard == "none", "parallel.shard", "'none' with parallel.expert_parallel > 1 (sharding the "
+                 "copies of split experts is not supported yet)", par.shard)
     # Cross-section: sharding reduce-scatters the gradients itself, uncompressed.
     _require(par.shard == "none" or cfg.horovod.compression == "none", "horovod.compression",
              f"'none' with parallel.shard={par.shard!r} (the gradients are reduce-scattered in their own dtype)",

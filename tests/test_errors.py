@@ -22,6 +22,11 @@ CASES = [
     (["model.arch=mixtral", "model.experts=1"], ["'model.experts'", "an integer >= model.experts_per_token (2)"]),
     (["model.arch=mixtral", "model.router_aux_loss_coef=-1"], ["'model.router_aux_loss_coef'", "a number >= 0"]),
     (["model.arch=mixtral", "parallel.pipeline_stages=2"], ["'parallel.pipeline_stages'", "1 with model.arch mixtral"]),
+    (["parallel.expert_parallel=2"], ["'parallel.expert_parallel'", "1 with model.arch 'gpt2'"]),
+    (["model.arch=mixtral", "model.experts=4", "parallel.expert_parallel=3"],
+     ["'parallel.expert_parallel'", "a divisor of model.experts (4)"]),
+    (["model.arch=mixtral", "parallel.expert_parallel=2", "parallel.shard=full"],
+     ["'parallel.shard'", "'none' with parallel.expert_parallel > 1"]),
     (["model.arch=bert", "model.tie_embeddings=false"], ["'model.tie_embeddings'", "model.arch bert"]),
     (["model.arch=t5"], ["'model.arch'", "'llama'"]),
     (["model.local_attention=64"], ["'model.local_attention'", "a knob of modernbert only"]),
@@ -67,6 +72,18 @@ def test_bad_input_through_launch_is_reported_once(tmp_path, tiny_config):
     out = tmp_path / "run"
     proc = hvdtrain("launch", "-np", "2", tiny_config(), f"out_dir={out}", "train.lr=fast")
     assert_one_line_error(proc, ["'train.lr'"], out)
+
+
+def test_expert_groups_that_do_not_divide_the_workers_are_reported_once(tmp_path, tiny_config):
+    """parallel.expert_parallel=4 on 2 workers: known only once the workers count themselves."""
+    out = tmp_path / "run"
+    proc = hvdtrain("launch", "-np", "2", tiny_config(), f"out_dir={out}", "model.arch=mixtral", "model.experts=4",
+                    "parallel.expert_parallel=4")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    message = "config key 'parallel.expert_parallel': 4 does not divide the 2 workers"
+    assert (proc.stdout + proc.stderr).count(message) == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not out.exists()
 
 
 def test_data_error_in_two_workers_is_reported_once(tmp_path, tiny_config):

@@ -69,6 +69,55 @@ def test_the_load_balancing_loss_spreads_the_tokens(coefficient):
     assert (last < 3.0) if coefficient else (last > 3.5), loads
 
 
+def test_a_capacity_factor_skips_the_pairs_over_capacity_and_counts_them():
+    """Capacity factor 1, top-2 of 4 experts, 32 tokens crowding onto expert 0: each expert
+    takes at most 16 (token, expert) pairs, first choices before second ones, earlier tokens
+    first. The dropped pairs are counted as an independent count in that order finds them, and
+    the layer's output is the experts' with those pairs' weights zeroed; a large factor drops none."""
+    torch.manual_seed(0)
+    model = tiny_mixtral(experts_per_token=2, capacity_factor=1.0)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        for layer in model.model.layers:
+            layer.mlp.gate.weight[0, 0] = 3.0
+    logits = []  # each router's logits in the forward that dropped (near ties: not recomputed)
+    for layer in model.model.layers:
+        layer.mlp.gate.register_forward_hook(lambda router, inputs, output: logits.append(output[0].detach()))
+    ids = torch.randint(3, 128, (2, 16))
+    loss, statistics = training_sums(model, {"input_ids": ids, "labels": ids})
+    record = statistics_record(model)(statistics.tolist(), ids.numel())
+
+    def over_capacity(layer_logits, capacity=16):
+        chosen = layer_logits.topk(2, dim=-1).indices
+        taken, dropped = [0] * 4, []
+        for slot in range(2):
+            for token in range(len(chosen)):
+                expert = chosen[token, slot].item()
+                taken[expert] += 1
+                if taken[expert] > capacity:
+                    dropped.append((token, slot))
+        return dropped
+
+    expected = [len(over_capacity(layer)) for layer in logits]
+    assert record["expert_dropped"] == expected and expected[0] > 0
+    assert record["expert_dropped_fraction"] == pytest.approx(sum(expected) / (2 * 32 * 2))
+
+    block = model.model.layers[0].mlp
+    x = torch.randn(32, 32) + model.model.embed_tokens.weight[5]
+    logits.clear()
+    with torch.no_grad():
+        output = block(x.unsqueeze(0)).squeeze(0)
+        weights, experts = torch.softmax(logits[0], dim=-1).topk(2, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        for token, slot in over_capacity(logits[0]):
+            weights[token, slot] = 0.0
+        torch.testing.assert_close(output, block.experts(x, experts, weights))
+    roomy = tiny_mixtral(experts_per_token=2, capacity_factor=4.0)
+    roomy.load_state_dict(model.state_dict())
+    statistics = training_sums(roomy, {"input_ids": ids, "labels": ids})[1]
+    assert statistics_record(roomy)(statistics.tolist(), ids.numel())["expert_dropped"] == [0, 0]
+
+
 @pytest.mark.workers
 def test_two_workers_equal_one_worker_with_the_routing_logged(tmp_path, tiny_config):
     """Same global batch (4 x 2), top-2 of 4 experts, a large router loss and clipping active:

@@ -640,3 +640,34 @@ def test_the_plan_balances_an_auto_split_on_its_flops():
     assert rows["auto"]["ranks"][0]["layers"] == [(0, bounds[1])]
     assert rows["auto"]["slot_s"] < 0.8 * rows["even"]["slot_s"]
     assert planmod.planned_bounds(two_stages(4096, "auto"), 2, 1) == [0, 6, 12]
+
+
+# ---------------------------------------------------------------- experts
+
+def olmoe_shaped(e: int):
+    """OLMoE-1B-7B's shape (recipes/olmoe-1b-7b.yaml): 16 layers x 2048, 64 experts of 1024, top-8."""
+    return config_from_dict({
+        "model": {"arch": "mixtral", "n_layer": 16, "n_head": 16, "d_model": 2048, "d_ff": 1024, "experts": 64,
+                  "experts_per_token": 8},
+        "data": {"seq_len": 4096, "vocab_size": 50304},
+        "train": {"micro_batch_size": 4, "global_batch_size": 1024, "precision": "bf16"},
+        "parallel": {"expert_parallel": e},
+    })
+
+
+def test_split_experts_leave_each_worker_its_share_and_an_alltoall():
+    """e = 8: a worker keeps 8 of each layer's 64 experts (3 x 2048 x 1024 weights each) and
+    the dense weights; its state is 16 B per parameter it holds. The alltoall: per layer and
+    micro batch four exchanges of tokens x k fp32 hidden states, 7/8 of them to other ranks."""
+    whole, split = plan(olmoe_shaped(1), gpus=8), plan(olmoe_shaped(8), gpus=8)
+    expert = 3 * 2048 * 1024
+    held = whole["model"]["params"] - 16 * 56 * expert
+    assert split["experts"]["params_per_worker"] == held
+    assert split["memory"]["parts"]["optimizer state (adamw, 2 fp32 moments)"] == 8 * held
+    assert split["comm"]["gradient_bytes"] == 4 * held
+    assert whole["experts"] is None
+    grad_accum = 1024 // 8 // 4
+    assert split["experts"]["alltoall_bytes"] == 4 * 16 * grad_accum * (4 * 4096 * 8) * 2048 * 4 * 7 // 8
+    assert "Experts split over 8 workers" in planmod.format_plan(split)
+    with pytest.raises(UserError, match="--gpus"):
+        plan(olmoe_shaped(8), gpus=12)

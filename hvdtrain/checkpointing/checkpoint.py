@@ -402,18 +402,26 @@ def read_weights(path: Path, names, aliases: dict[str, list[str]]) -> dict[str, 
     return found
 
 
-def load_weights(model, path: Path, aliases: dict[str, list[str]] | None = None):
-    """Fill `model` (a whole model or one pipeline stage) from the checkpoint's parts, by name."""
+def whole(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """load_weights' and load_optimizer's default `narrow`: a tensor as read, whole."""
+    return tensor
+
+
+def load_weights(model, path: Path, aliases: dict[str, list[str]] | None = None, narrow=whole):
+    """Fill `model` (a whole model or one pipeline stage) from the checkpoint's parts, by name;
+    `narrow(name, tensor)` gives the part of each whole tensor that the model holds (expert
+    parallelism: this rank's experts)."""
     aliases = tie_aliases(model) if aliases is None else aliases
-    found = read_weights(path, list(model.state_dict()), aliases)
+    found = {name: narrow(name, tensor) for name, tensor in read_weights(path, list(model.state_dict()), aliases).items()}
     try:
         model.load_state_dict(found, strict=True)
     except RuntimeError as e:
         raise UserError(f"the checkpoint {path} does not fit this model ({str(e).strip().splitlines()[-1].strip()})") from None
 
 
-def load_optimizer(optimizer, model, path: Path, aliases: dict[str, list[str]] | None = None):
-    """Fill a freshly built optimizer with the state saved by parameter name in `path`."""
+def load_optimizer(optimizer, model, path: Path, aliases: dict[str, list[str]] | None = None, narrow=whole):
+    """Fill a freshly built optimizer with the state saved by parameter name in `path`
+    (`narrow` as load_weights')."""
     aliases = tie_aliases(model) if aliases is None else aliases
     names = parameter_names(optimizer, model)
     wanted = {a for n in names for a in [n, *aliases.get(n, [])]}
@@ -425,5 +433,5 @@ def load_optimizer(optimizer, model, path: Path, aliases: dict[str, list[str]] |
     for index, name in enumerate(names):
         source = next((n for n in [name, *aliases.get(name, [])] if n in by_name), None)
         if source is not None:
-            state[index] = by_name[source]
+            state[index] = {field: narrow(name, value) for field, value in by_name[source].items()}
     optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})

@@ -50,6 +50,8 @@ class ParameterCounts:
     # those of `layer` that a token does not multiply with (a mixture's experts it is not
     # routed to): FLOPs and MFU count the active parameters, layer - unused
     unused: int = 0
+    # those of `layer` in a mixture's experts: what parallel.expert_parallel splits
+    experts: int = 0
 
 
 @dataclass(frozen=True)
@@ -156,3 +158,6 @@ class ModelParts:
     # train record's entries.
     auxiliary_loss: Optional[Callable] = None
     statistics_record: Optional[Callable] = None
+    # A mixture: module -> whether it holds one layer's experts (what parallel.expert_parallel
+    # splits, hvdtrain.parallel.expert_parallel); None: the family has none.
+    is_experts: Optional[Callable] = None

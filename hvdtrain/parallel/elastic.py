@@ -110,6 +110,9 @@ def check_elastic_config(cfg: Config):
     if cfg.parallel.shard != "none":  # the shards would have to re-form after every reset
         raise UserError(f"config key 'parallel.shard': elastic jobs do not support sharding (got "
                         f"{cfg.parallel.shard!r}); use none, or a fixed number of workers")
+    if cfg.parallel.expert_parallel > 1:  # the expert groups would have to re-form after every reset
+        raise UserError(f"config key 'parallel.expert_parallel': elastic jobs do not support expert parallelism "
+                        f"(got {cfg.parallel.expert_parallel}); use 1, or a fixed number of workers")
 
 
 def stands_in_for_two(cfg: Config, world_size: int, largest_world: int) -> bool:

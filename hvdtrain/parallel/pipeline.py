@@ -353,31 +353,6 @@ def broadcast_stage(stage: StageModule, layout: Layout, groups: Groups):
         hvd.synchronize(handle)
 
 
-def allreduce_grads_after(params, groups: Groups, op=None, compression=None, gradient_predivide_factor: float = 1.0):
-    """Reduce the gradients of this stage's copies in one grouped Horovod allreduce, after the
-    pipeline step. The mode for a plain (not Distributed) optimizer: no collective runs while
-    the pipeline's send/recv do, which NCCL needs to be safe. op: hvd.Average by default.
-
-    `compression` (hvd.Compression.fp16: sent as fp16) and `gradient_predivide_factor` f
-    (horovod.compression and horovod.gradient_predivide_factor) work as in
-    hvd.DistributedOptimizer: with Average each copy's gradient is divided by f before the sum
-    and the sum multiplied by f / copies after it, which keeps an fp16 sum from overflowing."""
-    op = hvd.Average if op is None else op
-    compression = hvd.Compression.none if compression is None else compression
-    params = [p for p in params if p.requires_grad]
-    for p in params:
-        if p.grad is None:  # every copy must send the same list
-            p.grad = torch.zeros_like(p)
-    compressed, contexts = zip(*[compression.compress(p.grad) for p in params])
-    scale = ({"prescale_factor": 1.0 / gradient_predivide_factor, "postscale_factor": gradient_predivide_factor}
-             if op == hvd.Average else {})
-    # Horovod: grouped allreduce within the stage's process set
-    hvd.grouped_allreduce_(list(compressed), op=op, name="pipeline.grads", process_set=groups.process_set, **scale)
-    for p, sent, context in zip(params, compressed, contexts):
-        if sent is not p.grad:  # reduced in a compressed copy: back into the gradient
-            p.grad.copy_(compression.decompress(sent, context))
-
-
 def allreduce_tied_grads(stage: StageModule, groups: Groups):
     """Sum the gradients of tied copies between the first and last stage (Megatron's embedding
     group), after the data-parallel reduction, so both copies take the same optimizer step."""

@@ -220,21 +220,46 @@ def fused_gradient_bytes(cfg, n_params: int) -> int:
     return batch
 
 
+def parameter_parts(cfg):
+    """The family's ParameterCounts of the config's model (a layer, the embeddings, the head)."""
+    dims = model_dims(cfg)
+    shape = family(dims["arch"]).family_shape(cfg.model)
+    return family(dims["arch"]).parameter_counts(dims["d_model"], dims["d_ff"], dims["vocab_size"],
+                                                 dims["max_position"], dims["kv_width"], **shape)
+
+
 def largest_unit_params(cfg) -> int:
     """Parameters of parallel.shard=full's largest unit (hvdtrain.parallel.sharded_weights.units_of):
     a transformer layer, the embeddings, or the head with its output matrix (tied or not)."""
-    dims = model_dims(cfg)
-    shape = family(dims["arch"]).family_shape(cfg.model)
-    parts = family(dims["arch"]).parameter_counts(dims["d_model"], dims["d_ff"], dims["vocab_size"],
-                                                  dims["max_position"], dims["kv_width"], **shape)
-    return max(parts.layer, parts.embeddings, parts.head + dims["vocab_size"] * dims["d_model"])
+    parts = parameter_parts(cfg)
+    return max(parts.layer, parts.embeddings, parts.head + cfg.data.vocab_size * cfg.model.d_model)
+
+
+def params_per_worker(cfg) -> int:
+    """The parameters one worker holds: the model's, less the experts that
+    parallel.expert_parallel = e puts on the other ranks of its expert group ((e-1)/e of them)."""
+    e = cfg.parallel.expert_parallel
+    return count_params(**model_dims(cfg)) - cfg.model.n_layer * parameter_parts(cfg).experts * (e - 1) // e
+
+
+def alltoall_bytes(cfg, micro_batch: int, grad_accum: int) -> int:
+    """Bytes one worker sends to the other ranks of its expert group in an optimizer step
+    (hvdtrain.parallel.expert_parallel): per layer and micro batch four alltoalls (the tokens
+    to their experts, the results back, and both in backward), each of tokens x k hidden
+    states in the residual stream's fp32, of which (e-1)/e leave the rank when the router
+    spreads the tokens evenly."""
+    e, m = cfg.parallel.expert_parallel, cfg.model
+    shape = family(m.arch).family_shape(m)
+    rows = micro_batch * cfg.data.seq_len * shape.get("experts_per_token", 0)
+    return 4 * m.n_layer * grad_accum * rows * m.d_model * RESIDUAL_BYTES * (e - 1) // e
 
 
 def memory_bytes(cfg, micro_batch: int, checkpointing: bool, sdpa: bool = True, copies: int = 1) -> dict:
     """Bytes per GPU by component, and their "total"; `copies`: the data-parallel workers (what
-    a sharded optimizer divides its state by)."""
+    a sharded optimizer divides its state by). With parallel.expert_parallel the weights and
+    their state are this worker's (params_per_worker)."""
     dims = model_dims(cfg)
-    parts = weight_state_bytes(cfg, count_params(**dims), flops_params(**dims), copies)
+    parts = weight_state_bytes(cfg, params_per_worker(cfg), flops_params(**dims), copies)
     parts.update({
         "activations": activation_bytes(cfg, micro_batch, checkpointing, sdpa),
         "logits and loss": loss_chunk_bytes(cfg, micro_batch),
@@ -339,7 +364,7 @@ def step_comm(cfg, workers: int, net_gbps: float, latency_s: float) -> dict:
     allreduces carry them, their seconds, and the seconds of the part that is ready last."""
     dims = model_dims(cfg)
     compression = cfg.horovod.compression
-    grad_bytes = gradient_bytes(count_params(**dims), compression)
+    grad_bytes = gradient_bytes(params_per_worker(cfg), compression)
     fusion_bytes = fusion_buffer_bytes(cfg)
     n_allreduces = (math.ceil(grad_bytes / fusion_bytes) if fusion_bytes > 0
                     else _parameter_tensors(dims["arch"], dims["n_layer"]))
@@ -705,9 +730,18 @@ def plan(cfg, gpus: int, gpu: str = "H100", net_gbps: float = 100.0, step_time: 
                                      peak, model_flops_utilisation, global_batch, sdpa)
         target = pipeline.pop("target")
 
+    experts = None
+    if cfg.parallel.expert_parallel > 1:
+        _check(gpus % cfg.parallel.expert_parallel == 0, "--gpus", f"a multiple of parallel.expert_parallel "
+               f"({cfg.parallel.expert_parallel})", gpus)
+        nbytes = alltoall_bytes(cfg, micro, resolve_batch(flat, gpus)[0])
+        experts = {"e": cfg.parallel.expert_parallel, "experts": family(cfg.model.arch).family_shape(cfg.model)["experts"],
+                   "params_per_worker": params_per_worker(cfg), "alltoall_bytes": nbytes,
+                   "alltoall_s": nbytes * 8 / (net_gbps * 1e9)}
+
     return {"model": model, "precision": cfg.train.precision, "optimizer": cfg.train.optimizer,
             "peak_tflops": peak, "peak_source": peak_source, "memory": memory, "comm": comm,
-            "gpus": gpus, "scaling": scaling, "target": target, "pipeline": pipeline}
+            "gpus": gpus, "scaling": scaling, "target": target, "pipeline": pipeline, "experts": experts}
 
 
 def _check_stages(cfg, stages: int, gpus: int, source: str):
@@ -864,6 +898,13 @@ def format_plan(p: dict) -> str:
     lines += ["", f"Gradient allreduce per optimizer step: {comm['gradient_bytes'] / 1e6:,.1f} MB "
               f"({grad_dtype}) in {comm['allreduces']} fused allreduce(s), ring over {comm['net_gbps']:g} Gbit/s, "
               f"{comm['latency_s'] * 1e6:g} µs per hop: {comm['seconds'] * 1e3:.1f} ms on {p['gpus']} GPUs"]
+    x = p["experts"]
+    if x is not None:
+        lines += [f"Experts split over {x['e']} workers (parallel.expert_parallel): {x['experts'] // x['e']} of each "
+                  f"layer's {x['experts']} on each, {x['params_per_worker']:,} parameters per worker; alltoall "
+                  f"{x['alltoall_bytes'] / 1e9:,.1f} GB sent per worker per optimizer step (tokens to their "
+                  f"experts and back, forward and backward): {x['alltoall_s']:.2f} s at "
+                  f"{comm['net_gbps']:g} Gbit/s, not overlapped"]
 
     peak = f"{p['peak_tflops']:g} TFLOP/s ({p['peak_source']})" if p["peak_tflops"] else p["peak_source"]
     s = p["scaling"]

@@ -1,9 +1,12 @@
-"""One optimizer step's work on this worker, done one of three ways, chosen once at set-up.
+"""One optimizer step's work on this worker, done one of four ways, chosen once at set-up.
 
     PlainStep       the whole model on every worker; hvd.DistributedOptimizer allreduces the
                     gradients over all workers, started by its hooks during the last backward
                     (StandInStep: the one worker left of an elastic job of two runs the micro
                     batches of both and sums their gradients as the two did)
+    ExpertParallelStep  parallel.expert_parallel: as PlainStep, with each layer's experts split
+                    over the ranks of an expert group (hvdtrain.parallel.expert_parallel); the
+                    dense and the expert gradients allreduced after backward, over different ranks
     PipelinedStep   this worker's pipeline stage (hvdtrain.parallel.pipeline): torch's schedule runs the
                     micro batches, Horovod reduces gradients among the copies of the stage only
                     (during the schedule's backward, or after it), the tied embedding is summed
@@ -14,7 +17,7 @@
                     clip, non-finite agreement and step are the hvdtrain.parallel.sharded_optimizer's,
                     on this copy's slices
 
-All three answer the same calls, which the loop (hvdtrain.training.train.run_steps) makes in this order:
+All of them answer the same calls, which the loop (hvdtrain.training.train.run_steps) makes in this order:
 
     loss_sum = engine.forward_backward(micro_batches, timer)  # this rank's summed token losses (+ statistics)
     engine.reduce_gradients()                     # every copy holds the reduced gradients (sharded: its slices)
@@ -31,10 +34,10 @@ from contextlib import nullcontext
 
 import torch
 
-from hvdtrain.parallel import distributed, parallel_dims, pipeline
+from hvdtrain.parallel import distributed, expert_parallel, parallel_dims, pipeline
 from hvdtrain.parallel.distributed import hvd
 from hvdtrain.parallel.sharded_weights import ShardedWeights
-from hvdtrain.config import Config
+from hvdtrain.config import Config, HorovodConfig
 from hvdtrain.models.common import IGNORE_INDEX, evaluation_sums, training_sums
 
 
@@ -54,6 +57,20 @@ def evaluation_result(loss: float, correct: float, targets: float, accuracy: boo
     if accuracy:
         result["eval_accuracy"] = correct / max(targets, 1)
     return result
+
+
+def even_batches(loader, process_set, micro_batch_shape: tuple[int, int]) -> list[dict]:
+    """The validation batches of `loader`, as many on every rank of `process_set` (whose ranks
+    each run a collective in every forward): a rank with fewer (batches r, r+d, ...) adds
+    batches of `micro_batch_shape` (samples, tokens) that predict nothing."""
+    batches = list(loader)
+    # Horovod: allreduce (max) of the ranks' batch counts
+    most = int(hvd.allreduce(torch.tensor([len(batches)]), name="eval_batches", op=hvd.Max,
+                             process_set=process_set)[0])
+    if len(batches) < most:
+        ids = torch.zeros(micro_batch_shape, dtype=torch.long)
+        batches += [{"input_ids": ids, "labels": torch.full_like(ids, IGNORE_INDEX)}] * (most - len(batches))
+    return batches
 
 
 class PlainStep:
@@ -170,6 +187,46 @@ class StandInStep(PlainStep):
         return first_loss.double() + second_loss.double()
 
 
+class ExpertParallelStep(PlainStep):
+    """parallel.expert_parallel: the whole model on every worker, each layer's experts split over
+    the ranks of an expert group, which exchange tokens in every forward
+    (hvdtrain.parallel.expert_parallel). `optimizer` is a plain one: after backward the dense
+    gradients are allreduced over all workers, the experts' over the ranks holding the same
+    experts; the norm counts each expert once."""
+
+    def __init__(self, *args, groups, horovod: HorovodConfig, micro_batch_shape: tuple[int, int]):
+        super().__init__(*args)
+        self.groups, self.horovod, self.micro_batch_shape = groups, horovod, micro_batch_shape
+        self.expert_names = expert_parallel.expert_weight_names(self.model)
+
+    def reduce_gradients(self):
+        # Horovod: grouped allreduces of the dense and of the expert gradients
+        expert_parallel.reduce_gradients(self.model, self.expert_names, self.groups, self.horovod)
+
+    def clip_gradients(self, max_norm):
+        self.scaler.unscale_(self.optimizer)
+        # Horovod: allreduce of the squared norms of the expert group's experts
+        return expert_parallel.clip_grad_norm_(self.model, self.expert_names, self.groups, max_norm)
+
+    def agree_on_nonfinite(self):
+        """A rank whose experts found no inf skips too, as the whole model would."""
+        expert_parallel.share_found_inf(self.scaler, self.optimizer, self.groups)  # Horovod: allreduce (max)
+
+    def stepping(self):
+        return nullcontext()  # a plain optimizer: nothing to hold back
+
+    def evaluate(self, loader):
+        """Every rank of an expert group runs as many forwards (each exchanges tokens)."""
+        return super().evaluate(even_batches(loader, self.groups.group_set, self.micro_batch_shape))
+
+    def describe(self):
+        return {"experts": f"each layer's experts split over {self.groups.size} workers (alltoall), gradients "
+                           f"reduced after backward"}
+
+    def close(self):
+        self.groups.close()  # Horovod: remove the process sets (collective)
+
+
 class PipelinedStep(PlainStep):
     """This worker's pipeline stage (`model`, a pipeline.StageModule). `optimizer` is Horovod's
     DistributedOptimizer over the copies of the stage, or (`reduce_after`) a plain one whose
@@ -203,8 +260,9 @@ class PipelinedStep(PlainStep):
         if self.reduce_after:
             h = self.cfg.horovod
             # Horovod: grouped allreduce of the gradients within the stage's process set
-            pipeline.allreduce_grads_after(self.model.parameters(), self.groups, distributed.reduce_op(h),
-                                           distributed.compression(h), h.gradient_predivide_factor)
+            distributed.allreduce_grads(self.model.parameters(), self.groups.process_set, "pipeline.grads",
+                                        distributed.reduce_op(h), distributed.compression(h),
+                                        h.gradient_predivide_factor)
         else:
             self.optimizer.synchronize()  # Horovod: wait for the allreduce within the stage's process set
         pipeline.allreduce_tied_grads(self.model, self.groups)  # torch.distributed: allreduce, first + last stage
@@ -310,21 +368,10 @@ class ShardedStep(PlainStep):
     def evaluate(self, loader):
         if self.weights is None:
             return self.layout_step.evaluate(loader)
-        result = self.layout_step.evaluate(self.even_batches(loader))
+        # "full": every copy gathers each unit for each forward, so all run as many
+        result = self.layout_step.evaluate(even_batches(loader, self.optimizer.process_set, self.micro_batch_shape))
         self.free_weights()
         return result
-
-    def even_batches(self, loader) -> list[dict]:
-        """"full": every copy gathers each unit for each forward, so all run as many: a copy
-        with fewer validation batches (batches r, r+d, ...) adds batches that predict nothing."""
-        batches = list(loader)
-        # Horovod: allreduce (max) of the copies' batch counts
-        most = int(hvd.allreduce(torch.tensor([len(batches)]), name="shard.eval_batches", op=hvd.Max,
-                                 process_set=self.optimizer.process_set)[0])
-        if len(batches) < most:
-            ids = torch.zeros(self.micro_batch_shape, dtype=torch.long)
-            batches += [{"input_ids": ids, "labels": torch.full_like(ids, IGNORE_INDEX)}] * (most - len(batches))
-        return batches
 
     def free_weights(self):
         """"full": give back the units still gathered (Horovod: waits for prefetches no one used)."""
@@ -343,16 +390,22 @@ class ShardedStep(PlainStep):
 
 
 def build_engine(cfg: Config, device, model, optimizer, scaler, grad_accum: int, shards: int, layout=None,
-                 groups=None, reduce_after: bool = False, stand_in: bool = False) -> PlainStep:
+                 groups=None, reduce_after: bool = False, stand_in: bool = False,
+                 expert_groups=None) -> PlainStep:
     """The step engine of this run: pipelined when `layout` is given (then `groups` too), and
-    sharded around it with parallel.shard (`optimizer` then a ShardedOptimizer).
+    sharded around it with parallel.shard (`optimizer` then a ShardedOptimizer); with
+    `expert_groups` (parallel.expert_parallel) the experts split.
     `stand_in`: one worker standing in for the two of an elastic job (StandInStep)."""
     t = cfg.train
     normalizer = distributed.TokenNormalizer(cfg.horovod.op, shards, t.micro_batch_size * grad_accum * cfg.data.seq_len)
     autocast = autocast_for(device, t.precision)
     if layout is None:
         args = (model, optimizer, scaler, normalizer, autocast, device)
-        engine = StandInStep(*args, grad_accum=grad_accum) if stand_in else PlainStep(*args)
+        if expert_groups is not None:
+            engine = ExpertParallelStep(*args, groups=expert_groups, horovod=cfg.horovod,
+                                        micro_batch_shape=(t.micro_batch_size, cfg.data.seq_len))
+        else:
+            engine = StandInStep(*args, grad_accum=grad_accum) if stand_in else PlainStep(*args)
     else:
         pipe = pipeline.build_schedule(model, layout, groups, cfg.parallel.schedule,
                                        cfg.parallel.microbatches or grad_accum, 1.0, device)

@@ -31,13 +31,14 @@ import torch
 import yaml
 
 from hvdtrain.checkpointing import checkpoint
-from hvdtrain.parallel import distributed, layer_costs, parallel_dims, pipeline
+from hvdtrain.parallel import distributed, expert_parallel, layer_costs, parallel_dims, pipeline
 from hvdtrain.observe import metrics
 from hvdtrain.config import Config, last_step_of_run, resolve_batch
 from hvdtrain.data import DataBundle, build_data
 from hvdtrain.errors import UserError
 from hvdtrain.checkpointing.export import export_checkpoint
 from hvdtrain.optim.lr_schedule import lr_multiplier
+from hvdtrain.models import family_of
 from hvdtrain.models.common import apply_speedups, keep_generation_config, model_blueprint, statistics_record
 from hvdtrain.models.ties import tie_aliases
 from hvdtrain.optim.optimizers import build_optimizer
@@ -130,6 +131,7 @@ def open_run_folder(cfg: Config, world, data: DataBundle, model, state: Training
     stages = cfg.parallel.pipeline_stages
     world.print(f"hvdtrain: {cfg.model.arch} {n_params / 1e6:.2f}M parameters"
                 + (f" on stage 0 of {stages} ({resolved['pipeline']})" if stages > 1 else "")
+                + (f" on worker 0 ({resolved['experts']})" if "experts" in resolved else "")
                 + f" | {resolved['batch']} = global batch {resolved['global_batch']} x {cfg.data.seq_len} tokens"
                 f" | peak lr {resolved['peak_lr']:.3g}"
                 + (f" | resuming at step {state.step} from {resumed_from}" if resumed_from else ""))
@@ -198,10 +200,12 @@ def pipeline_bounds(cfg: Config, data: DataBundle, world, layout, grad_accum: in
 
 
 def build_model_and_optimizer(cfg: Config, data: DataBundle, device, grad_accum: int, shards: int,
-                              layout=None, groups=None, shard: int = 0, bounds: list[int] | None = None):
-    """The model (or this worker's stage of it, cut by `bounds`), its optimizer (Horovod's,
-    unless the pipeline reduces after its run; sharded over the `shards` copies with
-    parallel.shard, this being copy `shard`) and grad scaler; the same seed on every rank.
+                              layout=None, groups=None, shard: int = 0, bounds: list[int] | None = None,
+                              expert_groups=None):
+    """The model (or this worker's stage of it, cut by `bounds`; with `expert_groups` this
+    rank's experts only), its optimizer (Horovod's, unless the pipeline reduces after its run
+    or the experts are split; sharded over the `shards` copies with parallel.shard, this being
+    copy `shard`) and grad scaler; the same seed on every rank.
     Returns them with the whole model's tied parameter names and whether gradients are reduced
     after the pipeline."""
     t, par = cfg.train, cfg.parallel
@@ -212,6 +216,8 @@ def build_model_and_optimizer(cfg: Config, data: DataBundle, device, grad_accum:
         masters = materialise_slices(blueprint, model, shard, shards, compute_dtype, device, par.shard)
     else:  # only now real: initialised per module, or read from model.pretrained
         blueprint.materialise(model)
+    if expert_groups is not None:  # every rank made every expert alike; this rank's are kept
+        expert_parallel.split_experts(model, family_of(model).modeling().PARTS.is_experts, expert_groups)
     model.to(device)
     model.train()
     peak_lr = t.lr * distributed.lr_scale(t.lr_scaling, shards)
@@ -227,7 +233,7 @@ def build_model_and_optimizer(cfg: Config, data: DataBundle, device, grad_accum:
                                      not_counted=pipeline.tied_parameters(model).values() if tied_copy else ())
     else:
         optimizer = build_optimizer(model, t, peak_lr, device)
-        if not reduce_after:
+        if not reduce_after and expert_groups is None:  # split experts: reduced after backward
             # Horovod: DistributedOptimizer, allreduce of gradients from backward hooks
             optimizer = distributed.wrap_optimizer(optimizer, model, cfg.horovod, grad_accum,
                                                    groups.process_set if groups else None)
@@ -246,6 +252,9 @@ def set_up(cfg: Config) -> Setup:
     layout = (parallel_dims.layout_for(world.rank, world.size, par.pipeline_stages, par.stages_per_rank)
               if par.pipeline_stages > 1 else None)
     shard, shards = (layout.dp_rank, layout.dp) if layout else (world.rank, world.size)
+    # Split experts: each rank of an expert group holds 1/e of every layer's experts
+    expert_groups = (expert_parallel.open_expert_groups(world.rank, world.size, par.expert_parallel)
+                     if par.expert_parallel > 1 else None)  # Horovod: process sets, made by every rank
 
     # ---- set-up 2. data, checked on every rank
     data = check_data(cfg, world, shards, global_batch, grad_accum)
@@ -260,11 +269,12 @@ def set_up(cfg: Config) -> Setup:
         groups = parallel_dims.open_groups(layout, "nccl" if world.device.type == "cuda" else "gloo")
     bounds = pipeline_bounds(cfg, data, world, layout, grad_accum)
     model, optimizer, scaler, aliases, peak_lr, reduce_after = build_model_and_optimizer(
-        cfg, data, world.device, grad_accum, shards, layout, groups, shard, bounds)
-    state = TrainingState(model, optimizer, scaler, world, cfg, layout, aliases)
+        cfg, data, world.device, grad_accum, shards, layout, groups, shard, bounds, expert_groups)
+    state = TrainingState(model, optimizer, scaler, world, cfg, layout, aliases, expert_groups)
     state.load_and_share(resume_from)  # Horovod: broadcast from rank 0 (with stages: each reads its part)
     # The step engine, chosen once: plain, or pipelined (torch's schedule over this stage)
-    engine = build_engine(cfg, world.device, model, optimizer, scaler, grad_accum, shards, layout, groups, reduce_after)
+    engine = build_engine(cfg, world.device, model, optimizer, scaler, grad_accum, shards, layout, groups, reduce_after,
+                          expert_groups=expert_groups)
     return Setup(world, data, model, optimizer, scaler, state, grad_accum, global_batch, peak_lr, shard, shards,
                  engine, layout, resume_from)
 

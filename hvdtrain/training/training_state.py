@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 
 from hvdtrain.checkpointing import checkpoint
-from hvdtrain.parallel import distributed
+from hvdtrain.parallel import distributed, expert_parallel
 from hvdtrain.training import rng
 from hvdtrain.config import Config
 from hvdtrain.errors import UserError
@@ -104,11 +104,13 @@ class TrainingState:
     model's parameter names: each stage reads and writes its own part of a checkpoint, so no
     weight passes through rank 0, and a checkpoint of any layout loads into any other. With a
     sharded optimizer (hvdtrain.parallel.sharded_optimizer) every worker reads and writes its own slices.
-    `aliases`: the whole model's tied parameter names (tie_aliases)."""
+    `aliases`: the whole model's tied parameter names (tie_aliases). With split experts
+    (`expert_groups`: hvdtrain.parallel.expert_parallel) every worker reads its experts' rows
+    and the ranks of the first expert group write them."""
 
-    def __init__(self, model, optimizer, scaler, world, cfg: Config, layout=None, aliases=None):
+    def __init__(self, model, optimizer, scaler, world, cfg: Config, layout=None, aliases=None, expert_groups=None):
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
-        self.world, self.cfg, self.layout = world, cfg, layout
+        self.world, self.cfg, self.layout, self.expert_groups = world, cfg, layout, expert_groups
         self.aliases = aliases if aliases is not None else tie_aliases(model)
         self.sharded = isinstance(optimizer, ShardedOptimizer)
         self.step = 0
@@ -120,19 +122,22 @@ class TrainingState:
         part, or its slices (the copies start equal anyway: the same seed, the same files). (An
         elastic job's rollback to its in-memory commit is local: hvdtrain.parallel.elastic.ElasticState.restore.)"""
         saved = None
-        if path is not None and (self.world.is_main or self.layout is not None or self.sharded):
+        every_rank_reads = self.layout is not None or self.sharded or self.expert_groups is not None
+        narrow = (checkpoint.whole if self.expert_groups is None else
+                  expert_parallel.local_rows(expert_parallel.expert_weight_names(self.model), self.expert_groups))
+        if path is not None and (self.world.is_main or every_rank_reads):
             # parallel.shard=full: the weights are the master slices (the optimizer's load); the
             # model holds no values to load, and its buffers are its constructors'
             if not (self.sharded and self.optimizer.level == "full"):
-                checkpoint.load_weights(self.model, path, self.aliases)
+                checkpoint.load_weights(self.model, path, self.aliases, narrow)
             if self.sharded:
                 self.optimizer.load(path, self.aliases)
             else:
-                checkpoint.load_optimizer(self.optimizer, self.model, path, self.aliases)
+                checkpoint.load_optimizer(self.optimizer, self.model, path, self.aliases, narrow)
         if path is not None and self.world.is_main:
             saved = checkpoint.read_state(path)
             saved["rngs"] = checkpoint.read_rngs(path, saved["world_size"])
-        if self.layout is None and not self.sharded:
+        if not every_rank_reads:
             # Horovod: broadcast parameters (and optimizer state) from rank 0
             distributed.broadcast_state(self.model, self.optimizer, resumed=path is not None)
         saved = distributed.broadcast_object(saved, name="training_state")  # Horovod: broadcast from rank 0
@@ -157,6 +162,11 @@ class TrainingState:
         tmp = distributed.broadcast_object(tmp, name="checkpoint_folder")  # Horovod: broadcast from rank 0
         if self.sharded:  # every worker: its slices
             part = self.optimizer.write_part(tmp, self.world.rank, self.world.size)
+        elif self.expert_groups is not None:  # the first expert group: its experts' rows (its rank 0: the rest)
+            writer = self.world.rank < self.expert_groups.size
+            part = (expert_parallel.write_part(tmp, self.model, self.optimizer,
+                                               expert_parallel.expert_weight_names(self.model), self.expert_groups)
+                    if writer else {})
         else:
             if self.layout is None:
                 index, count, writer = 0, 1, self.world.is_main

@@ -172,13 +172,13 @@ def fp16_skips(stage, layout: parallel_dims.Layout, groups: parallel_dims.Groups
 
 
 def after_reduction(layout: parallel_dims.Layout, groups: parallel_dims.Groups) -> dict:
-    """allreduce_grads_after among the copies of this stage of gradients that differ by copy,
+    """distributed.allreduce_grads among the copies of this stage of gradients that differ by copy,
     with horovod.compression and gradient_predivide_factor as the training loop passes them.
     `thirds` round in fp16; `big` (40000 a copy) overflows an fp16 sum of two copies."""
     def reduced(values, **options) -> list[float]:
         p = torch.nn.Parameter(torch.zeros(len(values)))
         p.grad = torch.tensor(values)
-        pipeline.allreduce_grads_after([p], groups, hvd.Average, **options)
+        distributed.allreduce_grads([p], groups.process_set, "pipeline.grads", hvd.Average, **options)
         return p.grad.tolist()
 
     thirds, big, fp16 = [(1 + layout.dp_rank) / 3, 1e-3 * (1 + layout.dp_rank)], [40000.0], hvd.Compression.fp16

@@ -29,7 +29,7 @@ def parameter_counts(d: int, f: int, v: int, max_position: int, kv_width: int, e
         layer=2 * d * d + 2 * d * kv_width + experts * expert + experts * d + 2 * d,
         embeddings=v * d, lookups=v * d, head=d, untied_output=v * d,
         # a token multiplies with its k experts only
-        unused=(experts - experts_per_token) * expert)
+        unused=(experts - experts_per_token) * expert, experts=experts * expert)
 
 
 def shape_of(config) -> dict:
@@ -54,5 +54,5 @@ FAMILY = Family(
     # experts), two RMSNorms; outside: embed_tokens and the final norm
     tensors_per_layer=9, other_tensors=2,
     knobs=("n_kv_head", "rope_theta", "tie_embeddings", "experts", "experts_per_token", "router_aux_loss_coef",
-           "router_z_loss_coef"),
+           "router_z_loss_coef", "capacity_factor"),
     family_shape=family_shape, tie_embeddings=TIE_EMBEDDINGS, rotary=True)

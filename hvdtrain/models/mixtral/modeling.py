@@ -1,4 +1,5 @@
 """Mixtral in transformers (MixtralForCausalLM): building it, its router's loss, its parts."""
+import math
 from functools import partial
 from typing import Callable
 
@@ -16,7 +17,7 @@ def model_maker(cfg: ModelConfig, vocab, rows: int, positions: int, d_ff: int) -
     """What builds a new MixtralForCausalLM of `cfg`'s shape, with `rows` embedding rows (called
     by hvdtrain.models.model_build with the parameters on the meta device). d_ff is each
     expert's SwiGLU width; model.dropout the attention dropout, as Llama's."""
-    from transformers import MixtralConfig, MixtralForCausalLM
+    from transformers import MixtralConfig
 
     config = MixtralConfig(vocab_size=rows, hidden_size=cfg.d_model, intermediate_size=d_ff,
                            num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
@@ -32,7 +33,40 @@ def model_maker(cfg: ModelConfig, vocab, rows: int, positions: int, d_ff: int) -
     # not a MixtralConfig key: kept with the model's config (and its config.json) as an extra one
     config.router_z_loss_coef = ROUTER_Z_LOSS_COEF if cfg.router_z_loss_coef is None else cfg.router_z_loss_coef
     config._attn_implementation = "sdpa"
-    return partial(MixtralForCausalLM, config)
+    config.capacity_factor = cfg.capacity_factor  # not a MixtralConfig key either; None: dropless
+    return partial(build_mixtral, config)
+
+
+def build_mixtral(config) -> torch.nn.Module:
+    """MixtralForCausalLM of `config`; with a capacity factor its routers drop what is over
+    their experts' capacity (drop_over_capacity)."""
+    from transformers import MixtralForCausalLM
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+
+    model = MixtralForCausalLM(config)
+    if config.capacity_factor is not None:
+        for module in model.modules():
+            if isinstance(module, MixtralTopKRouter):
+                module.register_forward_hook(partial(drop_over_capacity, config.capacity_factor))
+    return model
+
+
+def drop_over_capacity(capacity_factor: float, router, inputs, output):
+    """A router's forward hook (MixtralTopKRouter's output: the logits, the weights and the
+    experts of each token's top k): the (token, expert) pairs past their expert's capacity,
+    ceil(capacity_factor x tokens x k / experts), get weight 0, so that the expert adds nothing
+    to the token and gets no gradient from it (transformers' experts compute the pair all the
+    same; split experts do not send it: hvdtrain.parallel.expert_parallel). First choices go
+    before second ones, earlier tokens first (GShard's order). The count of dropped pairs is
+    kept as router.dropped."""
+    logits, weights, experts = output
+    tokens, k = experts.shape
+    capacity = math.ceil(capacity_factor * tokens * k / router.num_experts)
+    queue = torch.nn.functional.one_hot(experts.t().reshape(-1), router.num_experts)  # first choices first
+    place = (queue.cumsum(0) * queue).sum(1) - 1  # each pair's place in its expert's queue
+    kept = (place < capacity).reshape(k, tokens).t()
+    router.dropped = (~kept).sum().detach()
+    return logits, weights * kept, experts
 
 
 def routing_loss(model, body_output, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +94,11 @@ def routing_loss(model, body_output, targets: torch.Tensor) -> tuple[torch.Tenso
         chosen = torch.stack([layer.topk(k, dim=-1).indices for layer in logits]).flatten(1)  # (layers, tokens x k)
         tokens = torch.zeros(len(logits), experts, device=chosen.device).scatter_add_(
             1, chosen, torch.ones(chosen.shape, device=chosen.device))
-    return balance + z, torch.cat([balance.detach().float().reshape(1), z.detach().float().reshape(1), tokens.flatten()])
+    statistics = [balance.detach().float().reshape(1), z.detach().float().reshape(1), tokens.flatten()]
+    dropped = [m.dropped for m in model.modules() if hasattr(m, "dropped")]
+    if dropped:  # a capacity factor: the pairs each layer's router dropped (drop_over_capacity)
+        statistics.append(torch.stack(dropped).float())
+    return balance + z, torch.cat(statistics)
 
 
 def routing_record(config, statistics: list[float], targets: float) -> dict:
@@ -70,13 +108,26 @@ def routing_record(config, statistics: list[float], targets: float) -> dict:
     both already part of `loss`), the tokens each layer's router sent to each expert
     (`expert_tokens`), and per layer the busiest expert's tokens over the mean (`expert_load`,
     1.0 when even) and the largest of those (`expert_load_max`)."""
-    tokens = torch.tensor(statistics[2:]).reshape(-1, config.num_local_experts)
+    layers, experts = config.num_hidden_layers, config.num_local_experts
+    tokens = torch.tensor(statistics[2:2 + layers * experts]).reshape(layers, experts)
     load = (tokens.max(dim=1).values / tokens.mean(dim=1).clamp(min=1e-12)).tolist()
-    return {"aux_loss": statistics[0] / max(targets, 1), "z_loss": statistics[1] / max(targets, 1),
-            "expert_load_max": max(load), "expert_load": load,
-            "expert_tokens": [[int(n) for n in layer] for layer in tokens.tolist()]}
+    record = {"aux_loss": statistics[0] / max(targets, 1), "z_loss": statistics[1] / max(targets, 1),
+              "expert_load_max": max(load), "expert_load": load,
+              "expert_tokens": [[int(n) for n in layer] for layer in tokens.tolist()]}
+    dropped = statistics[2 + layers * experts:]
+    if dropped:  # a capacity factor: the pairs over capacity, per layer, and their share of all
+        record["expert_dropped"] = [int(n) for n in dropped]
+        record["expert_dropped_fraction"] = sum(dropped) / max(tokens.sum().item(), 1)
+    return record
+
+
+def is_experts(module: torch.nn.Module) -> bool:
+    """One layer's experts: transformers' MixtralExperts (3-d weights, a row per expert)."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    return isinstance(module, MixtralExperts)
 
 
 # Llama's parts (the same module names and steps), and the body asked for its routers' logits
 PARTS = ModelParts(**{**LLAMA_PARTS.__dict__, "body_options": {"output_router_logits": True},
-                      "auxiliary_loss": routing_loss, "statistics_record": routing_record})
+                      "auxiliary_loss": routing_loss, "statistics_record": routing_record, "is_experts": is_experts})

@@ -1,0 +1,220 @@
+"""Expert parallelism: the experts of each mixture-of-experts layer split over e ranks, every
+token sent to the ranks holding its experts and the results sent back with Horovod's alltoall
+(docs/experts.md).
+
+The workers form a grid ("copies", world / e) x ("ep", e) (parallel_dims.ParallelDims): the e
+neighbouring ranks of one expert group hold different experts of every layer (the group's
+rank i: experts i·E/e .. (i+1)·E/e - 1) and read different samples, as every worker does; the
+ranks at the same place of their groups hold the same experts. So
+
+    dense weights    the same on every rank; gradients allreduced over all ranks, as without
+    expert weights   this rank's E/e experts of each layer; gradients allreduced over the
+                     world / e ranks holding the same experts, each of whose gradients already
+                     sums what the tokens of its group's e ranks sent it
+
+In each layer's forward (ExpertParallel.forward), per micro batch:
+
+    1. every (token, chosen expert) pair, sorted by expert: so by the rank that holds it
+    2. hvd.alltoall of the pairs' expert numbers and hidden states to those ranks
+    3. transformers' own experts module, cut to this rank's experts, runs what arrived
+    4. hvd.alltoall back (the splits reversed); weighted by the router and summed per token
+
+Horovod's alltoall is differentiable (its backward is the reverse alltoall), so backward needs
+nothing more. The gradients are reduced after backward (ExpertParallelStep in
+hvdtrain.training.step_engine), in two grouped allreduces; a checkpoint holds every expert
+under its name, its rows written by the ranks of the first group (write_part), so that it loads
+at any e, and the Hugging Face export reads it as it reads any other.
+"""
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+from hvdtrain.checkpointing import checkpoint
+from hvdtrain.config import HorovodConfig
+from hvdtrain.errors import UserError
+from hvdtrain.parallel import distributed
+from hvdtrain.parallel.parallel_dims import ParallelDims
+
+try:  # as in distributed.py
+    import horovod.torch as hvd
+except ImportError:  # pragma: no cover
+    hvd = None
+
+
+@dataclass
+class ExpertGroups:
+    """This rank's place among the expert groups and its two Horovod process sets."""
+    size: int                  # e: ranks in an expert group
+    rank: int                  # this rank's place in its group, 0 .. e-1
+    group_set: object          # this rank's expert group: the alltoall's process set
+    same_experts_set: object   # the ranks holding the same experts: their gradients' process set
+    added_sets: list = field(default_factory=list)  # what open_expert_groups added, removed by close()
+
+    def close(self):
+        """Remove the process sets (every rank, the same order)."""
+        for process_set in self.added_sets:
+            hvd.remove_process_set(process_set)  # Horovod: remove a process set (collective)
+
+
+def open_expert_groups(rank: int, world_size: int, e: int) -> ExpertGroups:
+    """The process sets of parallel.expert_parallel = e, added by every rank in the same order
+    (Horovod needs hvd.init(process_sets="dynamic")). A set of all ranks is Horovod's global one
+    (it refuses a second); a set of one rank is never reduced over, and not added."""
+    if world_size % e:
+        raise UserError(f"config key 'parallel.expert_parallel': {e} does not divide the {world_size} workers")
+    grid = ParallelDims((("copies", world_size // e), ("ep", e)))
+    mine, added = {}, []
+    for dim in ("ep", "copies"):
+        for ranks in grid.groups(dim):
+            if len(ranks) == world_size:
+                process_set = hvd.global_process_set
+            elif len(ranks) == 1:
+                process_set = None
+            else:
+                process_set = hvd.add_process_set(ranks)  # Horovod: add a process set (collective)
+                added.append(process_set)
+            if rank in ranks:
+                mine[dim] = process_set
+    return ExpertGroups(e, grid.coords(rank)["ep"], mine["ep"], mine["copies"], added)
+
+
+# ---------------------------------------------------------------- the experts' forward
+
+class ExpertParallel:
+    """Mixed into a transformers experts module (MixtralExperts: 3-d weights, one row per
+    expert, and forward(hidden_states, top_k_index, top_k_weights)) by `split_experts`, which
+    swaps the module's class as torch's fully_shard does, so that its parameters keep their
+    names. Its weights are this rank's rows; `num_experts` counts them."""
+    expert_groups: ExpertGroups
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        groups, local = self.expert_groups, self.num_experts
+        k = top_k_index.shape[1]
+        # 1. the (token, expert) pairs sorted by expert, so by rank; how many go to each rank.
+        #    A pair of weight 0 (a capacity factor dropped it) would add nothing: it stays.
+        experts = top_k_index.flatten()
+        pairs = torch.nonzero(top_k_weights.flatten() != 0).squeeze(1)
+        order = pairs[torch.argsort(experts[pairs], stable=True)]
+        token = order // k
+        sent_experts = experts[order]
+        # (Horovod takes the splits on the host: on a GPU this waits for the router)
+        splits = torch.bincount(sent_experts // local, minlength=groups.size).to("cpu", torch.int32)
+        # 2. Horovod: alltoall of the pairs' expert numbers, then (autograd) of their hidden states
+        received_experts, _ = hvd.alltoall(sent_experts, splits=splits, process_set=groups.group_set)
+        received, received_splits = hvd.alltoall(hidden_states[token], splits=splits, process_set=groups.group_set)
+        # 3. this rank's experts, each row to its own one, weighted later by the sender
+        local_index = (received_experts - groups.rank * local).unsqueeze(1)
+        outputs = super().forward(received, local_index, torch.ones_like(local_index, dtype=received.dtype))
+        # 4. Horovod: alltoall back to the senders (autograd), in the order they were sent
+        returned, _ = hvd.alltoall(outputs, splits=received_splits, process_set=groups.group_set)
+        weighted = returned * top_k_weights.flatten()[order].unsqueeze(1)
+        return torch.zeros_like(hidden_states).index_add_(0, token, weighted.to(hidden_states.dtype))
+
+
+@functools.cache
+def expert_parallel_class(cls: type) -> type:
+    """`cls` with ExpertParallel's forward in front of its own (one class per experts class)."""
+    return type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), {})
+
+
+def split_experts(model: torch.nn.Module, is_experts, groups: ExpertGroups):
+    """Keep this rank's experts of every experts module of `model` (`is_experts(module)`: the
+    family's ModelParts.is_experts), whose weights are real and the same on every rank."""
+    for module in model.modules():
+        if not is_experts(module):
+            continue
+        if module.num_experts % groups.size:
+            raise UserError(f"config key 'parallel.expert_parallel': {groups.size} does not divide the "
+                            f"{module.num_experts} experts of each layer (model.experts)")
+        local = module.num_experts // groups.size
+        first = groups.rank * local
+        for name, weight in list(module.named_parameters(recurse=False)):
+            setattr(module, name, torch.nn.Parameter(weight.detach()[first:first + local].clone()))
+        module.num_experts = local
+        module.expert_groups = groups
+        module.__class__ = expert_parallel_class(type(module))
+
+
+def expert_weight_names(model: torch.nn.Module) -> set[str]:
+    """The names of the weights split_experts cut to this rank's experts."""
+    return {f"{module_name}.{name}" for module_name, module in model.named_modules()
+            if isinstance(module, ExpertParallel) for name, _ in module.named_parameters(recurse=False)}
+
+
+# ---------------------------------------------------------------- gradients
+
+def reduce_gradients(model, expert_names: set[str], groups: ExpertGroups, cfg: HorovodConfig):
+    """The dense weights' gradients over all ranks, the experts' over the ranks holding the
+    same experts, each in one grouped allreduce (horovod.op, compression, predivide factor as
+    hvd.DistributedOptimizer has them). With op average each of the latter sums what e ranks'
+    tokens sent, so it is divided by e more: both kinds then average over all ranks."""
+    dense, experts = parameters_by_kind(model, expert_names)
+    op, compression = distributed.reduce_op(cfg), distributed.compression(cfg)
+    # Horovod: grouped allreduces, over all ranks, then over the ranks holding the same experts
+    distributed.allreduce_grads(dense, hvd.global_process_set, "grads.dense", op, compression,
+                                cfg.gradient_predivide_factor)
+    distributed.allreduce_grads(experts, groups.same_experts_set, "grads.experts", op, compression,
+                                cfg.gradient_predivide_factor, 1.0 / groups.size if op == hvd.Average else 1.0)
+
+
+def parameters_by_kind(model, expert_names: set[str]) -> tuple[list, list]:
+    """(dense weights, expert weights) of `model`, in its order."""
+    named = list(model.named_parameters())
+    return [p for n, p in named if n not in expert_names], [p for n, p in named if n in expert_names]
+
+
+def clip_grad_norm_(model, expert_names: set[str], groups: ExpertGroups, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ over the whole model: the dense gradients (equal on every
+    rank) counted once, every expert's once (its group's ranks hold different ones)."""
+    dense, experts = parameters_by_kind(model, expert_names)
+    norm = torch.nn.utils.get_total_norm
+    expert_squares = norm([p.grad for p in experts if p.grad is not None]) ** 2
+    # Horovod: allreduce (sum) of the squared norms of the group's experts
+    expert_squares = hvd.allreduce(expert_squares, op=hvd.Sum, name="grads.expert_norm", process_set=groups.group_set)
+    total = (norm([p.grad for p in dense if p.grad is not None]) ** 2 + expert_squares).sqrt()
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, total)
+    return total
+
+
+def share_found_inf(scaler: torch.amp.GradScaler, optimizer, groups: ExpertGroups):
+    """fp16: every rank's grad scaler sees inf when one of its group found one in its experts,
+    so that all skip the same steps (the dense gradients are equal everywhere)."""
+    flags = list(scaler._found_inf_per_device(optimizer).values())  # one per device, from unscale_
+    # Horovod: allreduce (max) over the expert group
+    found = hvd.allreduce(torch.stack(flags).amax(), op=hvd.Max, name="grads.found_inf", process_set=groups.group_set)
+    for flag in flags:
+        flag.copy_(found)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def write_part(tmp, model, optimizer, expert_names: set[str], groups: ExpertGroups) -> dict:
+    """A rank of the first expert group: its experts' rows of every expert weight and of their
+    optimizer state, as slices of the whole tensors (checkpoint.write_slices), and (its rank 0)
+    the dense weights and their state; their manifest entries."""
+    def slices(tensors: dict, name_of) -> dict:
+        out = {}
+        for key, tensor in tensors.items():
+            if name_of(key) in expert_names and tensor.dim():
+                whole = (tensor.shape[0] * groups.size, *tensor.shape[1:])
+                out[key] = (tensor.flatten(), groups.rank * tensor.numel(), whole)
+            elif name_of(key) in expert_names or groups.rank == 0:  # a step count: every part has it
+                out[key] = tensor
+        return out
+
+    weights = slices(model.state_dict(), lambda key: key)
+    state = slices(checkpoint.optimizer_tensors(optimizer, model), lambda key: key.split("::", 1)[0])
+    return checkpoint.write_slices(tmp, groups.rank, groups.size, weights, state)
+
+
+def local_rows(expert_names: set[str], groups: ExpertGroups):
+    """What checkpoint.load_weights and load_optimizer narrow each whole tensor they read to:
+    this rank's rows of an expert weight (or of its optimizer state)."""
+    def narrow(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name not in expert_names or not tensor.dim():
+            return tensor
+        local = tensor.shape[0] // groups.size
+        return tensor[groups.rank * local:(groups.rank + 1) * local]
+    return narrow

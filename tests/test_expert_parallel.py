@@ -1,0 +1,67 @@
+"""Expert parallelism (parallel.expert_parallel = e): each layer's experts split over the e ranks
+of an expert group, the tokens exchanged with Horovod's alltoall, through real horovodrun workers
+(Gloo, fp32, dropout 0). e=2 trains as one worker does, router loss, clipping and routing
+statistics included, with each rank holding its own experts only; a checkpoint written at e=2
+resumes at e=1 and one written at e=1 at e=2; the export is the whole model. (Bad input:
+test_errors.)"""
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import (assert_same_losses, assert_same_params, load_params, read_metrics, step_losses,
+                     train_workers)
+from hvdtrain.checkpointing import checkpoint
+
+pytestmark = pytest.mark.workers
+
+# 4 experts, top-2, a large router loss (its gradient reaches the routers through the exchange)
+# and clipping active (the norm counts every expert once)
+MOE = {"model": {"arch": "mixtral", "n_kv_head": 1, "experts": 4, "experts_per_token": 2, "d_ff": 32,
+                 "router_aux_loss_coef": 0.5},
+       "train": {"global_batch_size": 8, "max_steps": 8, "grad_clip": 0.5}, "checkpoint": {"every": 2}}
+EXPERTS = "model.layers.1.mlp.experts.gate_up_proj"
+
+
+def exported(run) -> dict:
+    return load_file(str(run / "hf" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_two_expert_groups_train_as_one_worker(tmp_path, tiny_config, capacity_factor):
+    """np=1 against np=2 with e=2, dropless and with a capacity factor (the dropped pairs stay
+    where they are): per-step losses, the logged router loss, expert tokens, dropped pairs and
+    gradient norm, and the exported weights agree; each rank holds its two experts' rows of
+    the one-worker model."""
+    config = tiny_config({**MOE, "model": {**MOE["model"], "capacity_factor": capacity_factor}})
+    one, split = tmp_path / "np1", tmp_path / "e2"
+    train_workers(1, config, f"out_dir={one}")
+    train_workers(2, config, f"out_dir={split}", "parallel.expert_parallel=2")
+    assert_same_losses(step_losses(one), step_losses(split), min_steps=8)
+    records = [read_metrics(run)[0] for run in (one, split)]
+    for a, b in zip(*records):
+        assert a["aux_loss"] == pytest.approx(b["aux_loss"], rel=1e-5) and a["aux_loss"] > 0.4
+        assert a["expert_tokens"] == b["expert_tokens"] and a.get("expert_dropped") == b.get("expert_dropped")
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4) and a["grad_norm"] > 0.5  # clipped
+    dropped = [sum(r.get("expert_dropped", [])) for r in records[0]]
+    assert (sum(dropped) > 0) if capacity_factor else not any("expert_dropped" in r for r in records[0])
+    whole = load_params(one, 0)
+    for rank in (0, 1):
+        mine = load_params(split, rank)
+        assert mine[EXPERTS].shape[0] == 2
+        torch.testing.assert_close(mine[EXPERTS], whole[EXPERTS][2 * rank:2 * rank + 2], rtol=0, atol=1e-5)
+    assert_same_params(exported(one), exported(split), atol=1e-5)
+
+
+def test_a_checkpoint_resumes_at_another_expert_parallel_size(tmp_path, tiny_config):
+    """2 workers: stop at step 4 with e=2, go on to 6 with e=1, then to 8 with e=2 again: the
+    same losses and weights as a straight e=1 run (each rank of the first group wrote its experts' rows)."""
+    config = tiny_config(MOE)
+    straight, moved = tmp_path / "straight", tmp_path / "moved"
+    train_workers(2, config, f"out_dir={straight}")
+    train_workers(2, config, f"out_dir={moved}", "parallel.expert_parallel=2", "train.stop_at_step=4")
+    assert {p.name for p in checkpoint.newest_intact_checkpoint(moved).iterdir()} >= {
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}
+    train_workers(2, config, f"out_dir={moved}", "train.stop_at_step=6")
+    train_workers(2, config, f"out_dir={moved}", "parallel.expert_parallel=2")
+    assert_same_losses(step_losses(straight), step_losses(moved), min_steps=8)
+    assert_same_params(exported(straight), exported(moved), atol=1e-5)
