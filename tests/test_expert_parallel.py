@@ -4,11 +4,15 @@ of an expert group, the tokens exchanged with Horovod's alltoall, through real h
 statistics included, with each rank holding its own experts only; a checkpoint written at e=2
 resumes at e=1 and one written at e=1 at e=2; the export is the whole model. (Bad input:
 test_errors.)"""
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import (assert_same_losses, assert_same_params, load_params, read_metrics, step_losses,
+from helpers import (REPO, assert_same_losses, assert_same_params, load_params, read_metrics, step_losses,
                      train_workers)
 from hvdtrain.checkpointing import checkpoint
 
@@ -65,3 +69,23 @@ def test_a_checkpoint_resumes_at_another_expert_parallel_size(tmp_path, tiny_con
     train_workers(2, config, f"out_dir={moved}", "parallel.expert_parallel=2")
     assert_same_losses(step_losses(straight), step_losses(moved), min_steps=8)
     assert_same_params(exported(straight), exported(moved), atol=1e-5)
+
+
+def test_the_timeline_share_sums_each_operation_from_its_submission_to_its_end(tmp_path):
+    """scripts/timeline_share.py on a timeline in Horovod's format (left open, as Horovod leaves
+    it): two alltoalls of 3 + 2 and 1 + 1 µs (negotiation + operation) in a window of 10 µs; an
+    allreduce in between is not counted."""
+    events = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "alltoall.noname.1"}},
+              {"name": "process_name", "ph": "M", "pid": 2, "args": {"name": "allreduce.grads"}},
+              {"name": "process_name", "ph": "M", "pid": 3, "args": {"name": "alltoall.noname.2"}}]
+    for pid, (start, negotiated, end) in {1: (0, 3, 5), 2: (5, 6, 8), 3: (8, 9, 10)}.items():
+        events += [{"ph": "B", "name": "NEGOTIATE", "ts": start, "pid": pid}, {"ph": "E", "ts": negotiated, "pid": pid},
+                   {"ph": "B", "name": "OP", "ts": negotiated, "pid": pid},
+                   {"ph": "B", "name": "INNER", "ts": negotiated, "pid": pid}, {"ph": "E", "ts": end, "pid": pid},
+                   {"ph": "E", "ts": end, "pid": pid}]
+    timeline = tmp_path / "timeline.json"
+    timeline.write_text("[\n" + ",\n".join(json.dumps(e) for e in events) + ",")
+    proc = subprocess.run([sys.executable, REPO / "scripts" / "timeline_share.py", timeline], capture_output=True,
+                          text=True, check=True)
+    assert json.loads(proc.stdout) == {"op": "alltoall", "operations": 2, "busy_s": 7e-6, "window_s": 10e-6,
+                                       "share": 0.7}
