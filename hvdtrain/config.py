@@ -688,6 +688,9 @@ def validate(cfg: Config):
                  f"a divisor of model.experts ({experts})", par.expert_parallel)
         _require(par.shard == "none", "parallel.shard", "'none' with parallel.expert_parallel > 1 (sharding the "
                  "copies of split experts is not supported yet)", par.shard)
+        # LAMB's trust ratio takes the norm of a whole weight; a rank holds some experts' rows.
+        _require(cfg.train.optimizer != "lamb", "train.optimizer", "'adamw' with parallel.expert_parallel > 1 "
+                 "(LAMB's trust ratio needs the norm of each whole expert weight)", cfg.train.optimizer)
     # Cross-section: sharding reduce-scatters the gradients itself, uncompressed.
     _require(par.shard == "none" or cfg.horovod.compression == "none", "horovod.compression",
              f"'none' with parallel.shard={par.shard!r} (the gradients are reduce-scattered in their own dtype)",

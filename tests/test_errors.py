@@ -27,6 +27,8 @@ CASES = [
      ["'parallel.expert_parallel'", "a divisor of model.experts (4)"]),
     (["model.arch=mixtral", "parallel.expert_parallel=2", "parallel.shard=full"],
      ["'parallel.shard'", "'none' with parallel.expert_parallel > 1"]),
+    (["model.arch=mixtral", "parallel.expert_parallel=2", "train.optimizer=lamb", "train.weight_decay=0.01"],
+     ["'train.optimizer'", "'adamw' with parallel.expert_parallel > 1"]),
     (["model.arch=bert", "model.tie_embeddings=false"], ["'model.tie_embeddings'", "model.arch bert"]),
     (["model.arch=t5"], ["'model.arch'", "'llama'"]),
     (["model.local_attention=64"], ["'model.local_attention'", "a knob of modernbert only"]),

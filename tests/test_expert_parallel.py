@@ -12,9 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import (REPO, assert_same_losses, assert_same_params, load_params, read_metrics, step_losses,
-                     train_workers)
+from helpers import (REPO, WORKERS, assert_same_losses, assert_same_params, horovodrun, load_params, read_metrics,
+                     step_losses, train_workers)
 from hvdtrain.checkpointing import checkpoint
+from hvdtrain.parallel.expert_parallel import ExpertGroups, local_rows
 
 pytestmark = pytest.mark.workers
 
@@ -56,6 +57,21 @@ def test_two_expert_groups_train_as_one_worker(tmp_path, tiny_config, capacity_f
     assert_same_params(exported(one), exported(split), atol=1e-5)
 
 
+def test_four_workers_in_two_expert_groups_train_as_one_worker(tmp_path, tiny_config):
+    """4 workers, e=2: ranks 0 and 2 (1 and 3) hold the same experts and reduce their gradients
+    in a process set of their own; with horovod.gradient_predivide_factor 2 as well, the losses
+    and exported weights are one worker's (micro batches of 2 for both: the router loss is a
+    micro batch's)."""
+    config = tiny_config({**MOE, "train": {**MOE["train"], "micro_batch_size": 2}})
+    one, split = tmp_path / "np1", tmp_path / "e2np4"
+    train_workers(1, config, f"out_dir={one}")
+    train_workers(4, config, f"out_dir={split}", "parallel.expert_parallel=2", "horovod.gradient_predivide_factor=2",
+                  timeout=600)
+    assert_same_losses(step_losses(one), step_losses(split), min_steps=8)
+    assert_same_params(load_params(split, 1), load_params(split, 3))
+    assert_same_params(exported(one), exported(split), atol=1e-5)
+
+
 def test_a_checkpoint_resumes_at_another_expert_parallel_size(tmp_path, tiny_config):
     """2 workers: stop at step 4 with e=2, go on to 6 with e=1, then to 8 with e=2 again: the
     same losses and weights as a straight e=1 run (each rank of the first group wrote its experts' rows)."""
@@ -69,6 +85,45 @@ def test_a_checkpoint_resumes_at_another_expert_parallel_size(tmp_path, tiny_con
     train_workers(2, config, f"out_dir={moved}", "parallel.expert_parallel=2")
     assert_same_losses(step_losses(straight), step_losses(moved), min_steps=8)
     assert_same_params(exported(straight), exported(moved), atol=1e-5)
+
+
+def test_a_rank_that_receives_no_tokens_takes_part_in_the_backward_exchange():
+    """Split experts equal the whole module on each rank's tokens (output, the input's gradient,
+    the experts' gradients summed over the group) when every token chooses rank 0's experts:
+    rank 1 receives nothing and still joins the group's backward alltoalls (else: a hang)."""
+    proc = horovodrun(2, [WORKERS / "expert_exchange.py"], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = sorted((json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT " in line),
+                     key=lambda r: r["rank"])
+    assert [r["received_nothing"] for r in results] == [False, True]
+    for r in results:
+        assert max(r["output"], r["input_grad"], r["experts_grad"]) < 1e-5, r
+
+
+def test_a_rank_reads_only_its_experts_rows_of_a_checkpoint(tmp_path):
+    """load_weights and load_optimizer with expert_parallel.local_rows: rank 1 of e=2 takes rows
+    2-3 of a 4-expert weight and of its optimizer state, from a checkpoint whose part holding
+    rows 0-1 is gone (reading the whole tensor would refuse: a part missing)."""
+    whole = torch.arange(24.0).view(4, 6)
+    folder = tmp_path / "step_00000004"
+    folder.mkdir()
+    for index in (0, 1):
+        rows = (whole[2 * index:2 * index + 2].flatten(), 12 * index, (4, 6))
+        state = {"experts::exp_avg": (rows[0] * 10, *rows[1:]), "experts::step": torch.tensor(4.0)}
+        checkpoint.write_slices(folder, index, 2, {"experts": rows, "dense": torch.ones(3)} if index else
+                                {"experts": rows}, state)
+    for name in ("model-00001-of-00002.safetensors", "optimizer-00001-of-00002.safetensors"):
+        (folder / name).unlink()
+    model = torch.nn.Module()
+    model.experts, model.dense = torch.nn.Parameter(torch.zeros(2, 6)), torch.nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.AdamW(model.parameters())
+    groups = ExpertGroups(size=2, rank=1, group_set=None, same_experts_set=None)
+    rows = local_rows(model, {"experts"}, groups)
+    checkpoint.load_weights(model, folder, {}, rows)
+    checkpoint.load_optimizer(optimizer, model, folder, {}, rows)
+    assert torch.equal(model.experts.data, whole[2:]) and torch.equal(model.dense.data, torch.ones(3))
+    state = optimizer.state[model.experts]
+    assert torch.equal(state["exp_avg"], whole[2:] * 10) and state["step"].item() == 4.0
 
 
 def test_the_timeline_share_sums_each_operation_from_its_submission_to_its_end(tmp_path):

@@ -6,6 +6,7 @@ counts: test_flops; the streamed export: test_export_streaming; bad input: test_
 import pytest
 import torch
 import transformers
+from safetensors.torch import save_file
 
 from helpers import (assert_same_losses, assert_same_params, load_params, read_metrics, step_losses,
                      train_workers)
@@ -116,6 +117,25 @@ def test_a_capacity_factor_skips_the_pairs_over_capacity_and_counts_them():
     roomy.load_state_dict(model.state_dict())
     statistics = training_sums(roomy, {"input_ids": ids, "labels": ids})[1]
     assert statistics_record(roomy)(statistics.tolist(), ids.numel())["expert_dropped"] == [0, 0]
+
+
+def test_a_pretrained_folder_takes_the_configured_router_settings(tmp_path):
+    """model.pretrained: the folder's weights, with model.router_aux_loss_coef and the capacity
+    factor applied (they are training settings, not the folder's shape); unset, the folder's
+    coefficient stays and routing is dropless."""
+    torch.manual_seed(0)
+    saved = tiny_mixtral(experts_per_token=2, router_aux_loss_coef=0.1)
+    # as hvdtrain exports it (save_pretrained writes Mixtral's per-expert names, which model.pretrained does not read)
+    saved.config.save_pretrained(tmp_path / "folder")
+    save_file(saved.state_dict(), tmp_path / "folder" / "model.safetensors")
+    ids = torch.randint(3, 128, (2, 16))
+    kept = build_model(ModelConfig(arch="mixtral", pretrained=str(tmp_path / "folder"), dropout=0.0), VOCAB, 16)
+    crowded = build_model(ModelConfig(arch="mixtral", pretrained=str(tmp_path / "folder"), dropout=0.0,
+                                      router_aux_loss_coef=0.3, capacity_factor=0.5), VOCAB, 16)
+    assert (kept.config.router_aux_loss_coef, crowded.config.router_aux_loss_coef) == (0.1, 0.3)
+    records = [statistics_record(model)(training_sums(model, {"input_ids": ids, "labels": ids})[1].tolist(),
+                                        ids.numel()) for model in (kept, crowded)]
+    assert "expert_dropped" not in records[0] and sum(records[1]["expert_dropped"]) > 0
 
 
 @pytest.mark.workers

@@ -644,11 +644,11 @@ def test_the_plan_balances_an_auto_split_on_its_flops():
 
 # ---------------------------------------------------------------- experts
 
-def olmoe_shaped(e: int):
+def olmoe_shaped(e: int, activation_checkpointing: bool = False):
     """OLMoE-1B-7B's shape (recipes/olmoe-1b-7b.yaml): 16 layers x 2048, 64 experts of 1024, top-8."""
     return config_from_dict({
         "model": {"arch": "mixtral", "n_layer": 16, "n_head": 16, "d_model": 2048, "d_ff": 1024, "experts": 64,
-                  "experts_per_token": 8},
+                  "experts_per_token": 8, "activation_checkpointing": activation_checkpointing},
         "data": {"seq_len": 4096, "vocab_size": 50304},
         "train": {"micro_batch_size": 4, "global_batch_size": 1024, "precision": "bf16"},
         "parallel": {"expert_parallel": e},
@@ -658,7 +658,8 @@ def olmoe_shaped(e: int):
 def test_split_experts_leave_each_worker_its_share_and_an_alltoall():
     """e = 8: a worker keeps 8 of each layer's 64 experts (3 x 2048 x 1024 weights each) and
     the dense weights; its state is 16 B per parameter it holds. The alltoall: per layer and
-    micro batch four exchanges of tokens x k fp32 hidden states, 7/8 of them to other ranks."""
+    micro batch four exchanges of tokens x k fp32 hidden states, 7/8 of them to other ranks;
+    six with activation checkpointing (the recomputed forward exchanges again)."""
     whole, split = plan(olmoe_shaped(1), gpus=8), plan(olmoe_shaped(8), gpus=8)
     expert = 3 * 2048 * 1024
     held = whole["model"]["params"] - 16 * 56 * expert
@@ -668,6 +669,8 @@ def test_split_experts_leave_each_worker_its_share_and_an_alltoall():
     assert whole["experts"] is None
     grad_accum = 1024 // 8 // 4
     assert split["experts"]["alltoall_bytes"] == 4 * 16 * grad_accum * (4 * 4096 * 8) * 2048 * 4 * 7 // 8
+    recomputed = plan(olmoe_shaped(8, activation_checkpointing=True), gpus=8)["experts"]["alltoall_bytes"]
+    assert recomputed == 6 * 16 * grad_accum * (4 * 4096 * 8) * 2048 * 4 * 7 // 8
     assert "Experts split over 8 workers" in planmod.format_plan(split)
     with pytest.raises(UserError, match="--gpus"):
         plan(olmoe_shaped(8), gpus=12)

@@ -352,6 +352,15 @@ def _read_tensors(path: Path, prefix: str, wanted) -> dict[str, torch.Tensor]:
     return out
 
 
+def saved_keys(path: Path, prefix: str) -> set[str]:
+    """The names of the tensors in the checkpoint's `prefix`* part files (no values read)."""
+    keys = set()
+    for f in path.glob(f"{prefix}*.safetensors"):
+        with safe_open(str(f), framework="pt") as part:
+            keys.update(part.keys())
+    return keys
+
+
 def read_ranges(path: Path, prefix: str, ranges: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
     """For each name: the values [start, end) of the flattened tensor, from every part file
     `prefix`*, reading no more than those (whole tensors of any layout, or the slices of a
@@ -402,36 +411,56 @@ def read_weights(path: Path, names, aliases: dict[str, list[str]]) -> dict[str, 
     return found
 
 
-def whole(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """load_weights' and load_optimizer's default `narrow`: a tensor as read, whole."""
-    return tensor
+def whole(name: str):
+    """load_weights' and load_optimizer's default `part`: every tensor whole."""
+    return None
 
 
-def load_weights(model, path: Path, aliases: dict[str, list[str]] | None = None, narrow=whole):
-    """Fill `model` (a whole model or one pipeline stage) from the checkpoint's parts, by name;
-    `narrow(name, tensor)` gives the part of each whole tensor that the model holds (expert
-    parallelism: this rank's experts)."""
+def _read_parts(path: Path, prefix: str, keys: dict[str, str], part) -> dict[str, torch.Tensor]:
+    """The tensors `keys` (key -> the parameter it belongs to) of the checkpoint's `prefix`
+    files: whole, or where `part(parameter)` gives a range, only those values of the flat
+    tensor (read_ranges), put in the parameter's local shape `part` gave."""
+    ranged = {key: part(name) for key, name in keys.items() if part(name) is not None}
+    found = _read_tensors(path, prefix, lambda k: k in keys and k not in ranged)
+    for key, values in read_ranges(path, prefix, {k: r[:2] for k, r in ranged.items()}).items():
+        if values is not None:
+            found[key] = values if not values.dim() else values.view(ranged[key][2])
+    return found
+
+
+def load_weights(model, path: Path, aliases: dict[str, list[str]] | None = None, part=whole):
+    """Fill `model` (a whole model or one pipeline stage) from the checkpoint's parts, by name.
+    `part(name)`: None for a tensor the model holds whole, or (start, end, shape): the values
+    [start, end) of the flattened saved tensor that it holds in that shape (expert parallelism:
+    this rank's experts, read without the others')."""
     aliases = tie_aliases(model) if aliases is None else aliases
-    found = {name: narrow(name, tensor) for name, tensor in read_weights(path, list(model.state_dict()), aliases).items()}
+    names = list(model.state_dict())
+    found = read_weights(path, [n for n in names if part(n) is None], aliases)
+    found |= _read_parts(path, "model", {n: n for n in names if part(n) is not None}, part)
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise UserError(f"the checkpoint {path} has no weights for '{missing[0]}'; it was written for another model")
     try:
         model.load_state_dict(found, strict=True)
     except RuntimeError as e:
         raise UserError(f"the checkpoint {path} does not fit this model ({str(e).strip().splitlines()[-1].strip()})") from None
 
 
-def load_optimizer(optimizer, model, path: Path, aliases: dict[str, list[str]] | None = None, narrow=whole):
+def load_optimizer(optimizer, model, path: Path, aliases: dict[str, list[str]] | None = None, part=whole):
     """Fill a freshly built optimizer with the state saved by parameter name in `path`
-    (`narrow` as load_weights')."""
+    (`part` as load_weights')."""
     aliases = tie_aliases(model) if aliases is None else aliases
     names = parameter_names(optimizer, model)
-    wanted = {a for n in names for a in [n, *aliases.get(n, [])]}
+    sources = {a: n for n in names for a in [n, *aliases.get(n, [])]}  # a saved name -> the parameter's
+    keys = {key: sources[key.split("::", 1)[0]] for key in saved_keys(path, "optimizer")
+            if key.split("::", 1)[0] in sources}
     by_name = {}
-    for key, value in _read_tensors(path, "optimizer", lambda k: k.split("::", 1)[0] in wanted).items():
+    for key, value in _read_parts(path, "optimizer", keys, part).items():
         name, field = key.split("::", 1)
         by_name.setdefault(name, {})[field] = value
     state = {}
     for index, name in enumerate(names):
         source = next((n for n in [name, *aliases.get(name, [])] if n in by_name), None)
         if source is not None:
-            state[index] = {field: narrow(name, value) for field, value in by_name[source].items()}
+            state[index] = by_name[source]
     optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})

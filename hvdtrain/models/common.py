@@ -132,8 +132,11 @@ def pretrained_blueprint(cfg: ModelConfig, vocab: Vocab, seq_len: int) -> Bluepr
     config._attn_implementation = "sdpa"
     auto = getattr(transformers, family(cfg.arch).auto_class)
     # dtype: transformers' from_config would build in the folder's config.dtype (and keep it).
-    return Blueprint(partial(auto.from_config, config, dtype=torch.float32, trust_remote_code=False),
-                     weights=folder, saved_rows=saved_rows)
+    build = partial(auto.from_config, config, dtype=torch.float32, trust_remote_code=False)
+    # A family whose model.* keys include training settings (Mixtral's router loss and
+    # capacity factor) sets them on the folder's config and the model: its pretrained_maker.
+    settings = getattr(family(cfg.arch).modeling(), "pretrained_maker", None)
+    return Blueprint(settings(cfg, config, build) if settings else build, weights=folder, saved_rows=saved_rows)
 
 
 def transformer_blocks(model) -> torch.nn.ModuleList:

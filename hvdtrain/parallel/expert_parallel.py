@@ -107,6 +107,10 @@ class ExpertParallel:
         # 3. this rank's experts, each row to its own one, weighted later by the sender
         local_index = (received_experts - groups.rank * local).unsqueeze(1)
         outputs = super().forward(received, local_index, torch.ones_like(local_index, dtype=received.dtype))
+        if not received.shape[0]:
+            # Nothing arrived: transformers returns zeros that autograd does not link to `received`,
+            # which would skip this rank's two backward alltoalls while its group waits in them.
+            outputs = received * 0
         # 4. Horovod: alltoall back to the senders (autograd), in the order they were sent
         returned, _ = hvd.alltoall(outputs, splits=received_splits, process_set=groups.group_set)
         weighted = returned * top_k_weights.flatten()[order].unsqueeze(1)
@@ -209,12 +213,15 @@ def write_part(tmp, model, optimizer, expert_names: set[str], groups: ExpertGrou
     return checkpoint.write_slices(tmp, groups.rank, groups.size, weights, state)
 
 
-def local_rows(expert_names: set[str], groups: ExpertGroups):
-    """What checkpoint.load_weights and load_optimizer narrow each whole tensor they read to:
-    this rank's rows of an expert weight (or of its optimizer state)."""
-    def narrow(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if name not in expert_names or not tensor.dim():
-            return tensor
-        local = tensor.shape[0] // groups.size
-        return tensor[groups.rank * local:(groups.rank + 1) * local]
-    return narrow
+def local_rows(model, expert_names: set[str], groups: ExpertGroups):
+    """What checkpoint.load_weights and load_optimizer read of each saved tensor (their `part`):
+    of an expert weight (or its optimizer state) this rank's rows, the values [start, end) of
+    the flattened whole tensor, in the local weight's shape; of the others, all (None)."""
+    shapes = {name: p.shape for name, p in model.named_parameters() if name in expert_names}
+
+    def rows(name: str):
+        if name not in shapes:
+            return None
+        size = shapes[name].numel()
+        return groups.rank * size, (groups.rank + 1) * size, shapes[name]
+    return rows

@@ -123,17 +123,17 @@ class TrainingState:
         elastic job's rollback to its in-memory commit is local: hvdtrain.parallel.elastic.ElasticState.restore.)"""
         saved = None
         every_rank_reads = self.layout is not None or self.sharded or self.expert_groups is not None
-        narrow = (checkpoint.whole if self.expert_groups is None else
-                  expert_parallel.local_rows(expert_parallel.expert_weight_names(self.model), self.expert_groups))
+        part = (checkpoint.whole if self.expert_groups is None else expert_parallel.local_rows(
+            self.model, expert_parallel.expert_weight_names(self.model), self.expert_groups))
         if path is not None and (self.world.is_main or every_rank_reads):
             # parallel.shard=full: the weights are the master slices (the optimizer's load); the
             # model holds no values to load, and its buffers are its constructors'
             if not (self.sharded and self.optimizer.level == "full"):
-                checkpoint.load_weights(self.model, path, self.aliases, narrow)
+                checkpoint.load_weights(self.model, path, self.aliases, part)
             if self.sharded:
                 self.optimizer.load(path, self.aliases)
             else:
-                checkpoint.load_optimizer(self.optimizer, self.model, path, self.aliases, narrow)
+                checkpoint.load_optimizer(self.optimizer, self.model, path, self.aliases, part)
         if path is not None and self.world.is_main:
             saved = checkpoint.read_state(path)
             saved["rngs"] = checkpoint.read_rngs(path, saved["world_size"])

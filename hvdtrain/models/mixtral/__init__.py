@@ -4,8 +4,8 @@ without importing torch.
 Mixtral is a Llama-style decoder (rotary positions, RMSNorm, grouped-query attention, no
 biases) whose SwiGLU MLP is replaced by `model.experts` SwiGLU MLPs and a router: each token
 goes to the `model.experts_per_token` experts its router scores highest, and their outputs
-are summed with the router's renormalised weights (dropless: every token reaches its k
-experts). Switch Transformer's load-balancing loss, scaled by `model.router_aux_loss_coef`,
+are summed with the router's renormalised weights (dropless by default: every token reaches
+its k experts; model.capacity_factor caps each expert's share). Switch Transformer's load-balancing loss, scaled by `model.router_aux_loss_coef`,
 is added to the training loss so that the router spreads the tokens; optionally ST-MoE's
 router z-loss (`model.router_z_loss_coef`), which keeps the router logits small.
 """

@@ -41,13 +41,30 @@ def build_mixtral(config) -> torch.nn.Module:
     """MixtralForCausalLM of `config`; with a capacity factor its routers drop what is over
     their experts' capacity (drop_over_capacity)."""
     from transformers import MixtralForCausalLM
+
+    return with_capacity(MixtralForCausalLM(config), config.capacity_factor)
+
+
+def pretrained_maker(cfg: ModelConfig, config, build: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Module]:
+    """model.pretrained's Mixtral (hvdtrain.models.common.pretrained_blueprint): the folder's
+    shape, built by `build`; the router settings are training settings, so model.*'s are kept
+    where set (the loss coefficients otherwise the folder's) and its capacity factor applied."""
+    if cfg.router_aux_loss_coef is not None:
+        config.router_aux_loss_coef = cfg.router_aux_loss_coef
+    if cfg.router_z_loss_coef is not None:
+        config.router_z_loss_coef = cfg.router_z_loss_coef
+    config.capacity_factor = cfg.capacity_factor
+    return lambda: with_capacity(build(), cfg.capacity_factor)
+
+
+def with_capacity(model: torch.nn.Module, capacity_factor: float | None) -> torch.nn.Module:
+    """`model` whose routers drop the pairs over capacity_factor's capacity (None: dropless)."""
     from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 
-    model = MixtralForCausalLM(config)
-    if config.capacity_factor is not None:
+    if capacity_factor is not None:
         for module in model.modules():
             if isinstance(module, MixtralTopKRouter):
-                module.register_forward_hook(partial(drop_over_capacity, config.capacity_factor))
+                module.register_forward_hook(partial(drop_over_capacity, capacity_factor))
     return model
 
 

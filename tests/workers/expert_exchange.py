@@ -1,0 +1,45 @@
+"""Test worker: one experts module split over an expert group of 2 (expert_parallel.split_experts)
+against the whole module, on each rank's own tokens, all of which choose rank 0's experts, so
+rank 1 receives nothing: its backward must still take part in the group's alltoalls. Prints
+one JSON line per rank: the largest differences of the output, the input's gradient and this
+rank's experts' gradients (summed over the ranks for the whole module)."""
+import copy
+import json
+
+import horovod.torch as hvd
+import torch
+from transformers import MixtralConfig
+from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+from hvdtrain.parallel.expert_parallel import open_expert_groups, split_experts
+
+hvd.init(process_sets="dynamic")
+groups = open_expert_groups(hvd.rank(), hvd.size(), 2)
+torch.manual_seed(0)  # the same weights on every rank
+whole = MixtralExperts(MixtralConfig(hidden_size=8, intermediate_size=16, num_local_experts=4))
+for weight in whole.parameters():
+    torch.nn.init.normal_(weight, std=0.3)
+split = torch.nn.Sequential(copy.deepcopy(whole))
+split_experts(split, lambda module: isinstance(module, MixtralExperts), groups)
+
+torch.manual_seed(1 + hvd.rank())  # each rank its own tokens, every one choosing experts 0 and 1
+tokens = torch.randn(6, 8)
+index = torch.stack([torch.randint(0, 2, (6,)), torch.randint(0, 2, (6,))], dim=1)
+weights = torch.rand(6, 2)
+outputs, grads = [], []
+for module in (whole, split[0]):
+    hidden = tokens.clone().requires_grad_()
+    output = module(hidden, index, weights)
+    output.square().sum().backward()
+    outputs.append(output)
+    grads.append(hidden.grad)
+rows = slice(2 * groups.rank, 2 * groups.rank + 2)
+expert_error = 0.0
+for name, weight in whole.named_parameters():
+    summed = hvd.allreduce(weight.grad, op=hvd.Sum, name=name)[rows]  # Horovod: the group's tokens' gradients
+    mine = getattr(split[0], name).grad
+    expert_error = max(expert_error, (summed - (torch.zeros_like(summed) if mine is None else mine)).abs().max().item())
+print("RESULT " + json.dumps({"rank": hvd.rank(), "output": (outputs[0] - outputs[1]).abs().max().item(),
+                              "input_grad": (grads[0] - grads[1]).abs().max().item(), "experts_grad": expert_error,
+                              "received_nothing": groups.rank == 1}), flush=True)
+groups.close()
