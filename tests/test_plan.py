@@ -658,7 +658,7 @@ def olmoe_shaped(e: int, activation_checkpointing: bool = False):
 def test_split_experts_leave_each_worker_its_share_and_an_alltoall():
     """e = 8: a worker keeps 8 of each layer's 64 experts (3 x 2048 x 1024 weights each) and
     the dense weights; its state is 16 B per parameter it holds. The alltoall: per layer and
-    micro batch four exchanges of tokens x k fp32 hidden states, 7/8 of them to other ranks;
+    micro batch four exchanges of tokens x k bf16 hidden states, 7/8 of them to other ranks;
     six with activation checkpointing (the recomputed forward exchanges again)."""
     whole, split = plan(olmoe_shaped(1), gpus=8), plan(olmoe_shaped(8), gpus=8)
     expert = 3 * 2048 * 1024
@@ -668,9 +668,9 @@ def test_split_experts_leave_each_worker_its_share_and_an_alltoall():
     assert split["comm"]["gradient_bytes"] == 4 * held
     assert whole["experts"] is None
     grad_accum = 1024 // 8 // 4
-    assert split["experts"]["alltoall_bytes"] == 4 * 16 * grad_accum * (4 * 4096 * 8) * 2048 * 4 * 7 // 8
+    assert split["experts"]["alltoall_bytes"] == 4 * 16 * grad_accum * (4 * 4096 * 8) * 2048 * 2 * 7 // 8
     recomputed = plan(olmoe_shaped(8, activation_checkpointing=True), gpus=8)["experts"]["alltoall_bytes"]
-    assert recomputed == 6 * 16 * grad_accum * (4 * 4096 * 8) * 2048 * 4 * 7 // 8
+    assert recomputed == 6 * 16 * grad_accum * (4 * 4096 * 8) * 2048 * 2 * 7 // 8
     assert "Experts split over 8 workers" in planmod.format_plan(split)
     with pytest.raises(UserError, match="--gpus"):
         plan(olmoe_shaped(8), gpus=12)

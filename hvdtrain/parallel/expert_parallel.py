@@ -101,9 +101,14 @@ class ExpertParallel:
         sent_experts = experts[order]
         # (Horovod takes the splits on the host: on a GPU this waits for the router)
         splits = torch.bincount(sent_experts // local, minlength=groups.size).to("cpu", torch.int32)
+        # Under autocast (train.precision bf16/fp16) the experts' matmuls take their inputs in
+        # 16 bits and give 16-bit outputs: so they travel in 16 bits, half the bytes, the same values.
+        sent = hidden_states[token]
+        if torch.is_autocast_enabled(sent.device.type):
+            sent = sent.to(torch.get_autocast_dtype(sent.device.type))
         # 2. Horovod: alltoall of the pairs' expert numbers, then (autograd) of their hidden states
         received_experts, _ = hvd.alltoall(sent_experts, splits=splits, process_set=groups.group_set)
-        received, received_splits = hvd.alltoall(hidden_states[token], splits=splits, process_set=groups.group_set)
+        received, received_splits = exchange(sent, splits, groups.group_set)
         # 3. this rank's experts, each row to its own one, weighted later by the sender
         local_index = (received_experts - groups.rank * local).unsqueeze(1)
         outputs = super().forward(received, local_index, torch.ones_like(local_index, dtype=received.dtype))
@@ -112,9 +117,35 @@ class ExpertParallel:
             # which would skip this rank's two backward alltoalls while its group waits in them.
             outputs = received * 0
         # 4. Horovod: alltoall back to the senders (autograd), in the order they were sent
-        returned, _ = hvd.alltoall(outputs, splits=received_splits, process_set=groups.group_set)
+        returned, _ = exchange(outputs, received_splits, groups.group_set)
         weighted = returned * top_k_weights.flatten()[order].unsqueeze(1)
         return torch.zeros_like(hidden_states).index_add_(0, token, weighted.to(hidden_states.dtype))
+
+
+def exchange(tensor: torch.Tensor, splits: torch.Tensor, process_set) -> tuple[torch.Tensor, torch.Tensor]:
+    """Horovod's alltoall (autograd: backward sends the gradients back the same way): the rows
+    of `tensor`, splits[i] of them to the group's rank i; (what arrived, its splits)."""
+    if tensor.dtype == torch.bfloat16:
+        return BFloat16Exchange.apply(tensor, splits, process_set)
+    return hvd.alltoall(tensor, splits=splits, process_set=process_set)
+
+
+class BFloat16Exchange(torch.autograd.Function):
+    """hvd.alltoall of a bf16 tensor, which Horovod's PyTorch types do not include: its bits sent
+    as int16 (the same bytes), forward and, with the splits reversed, backward."""
+
+    @staticmethod
+    def forward(ctx, tensor, splits, process_set):
+        received, received_splits = hvd.alltoall(tensor.view(torch.int16), splits=splits, process_set=process_set)
+        ctx.received_splits, ctx.process_set = received_splits, process_set
+        ctx.mark_non_differentiable(received_splits)
+        return received.view(torch.bfloat16), received_splits
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        sent_back, _ = hvd.alltoall(grad.contiguous().view(torch.int16), splits=ctx.received_splits,
+                                    process_set=ctx.process_set)
+        return sent_back.view(torch.bfloat16), None, None
 
 
 @functools.cache

@@ -247,13 +247,14 @@ def alltoall_bytes(cfg, micro_batch: int, grad_accum: int) -> int:
     (hvdtrain.parallel.expert_parallel): per layer and micro batch four alltoalls (the tokens
     to their experts, the results back, and both in backward), six with activation
     checkpointing (backward runs the forward's two again), each of tokens x k hidden states in
-    the residual stream's fp32, of which (e-1)/e leave the rank when the router spreads the
-    tokens evenly."""
+    16 bits under bf16/fp16 autocast (the experts' matmuls take and give them so), else fp32, of
+    which (e-1)/e leave the rank when the router spreads the tokens evenly."""
     e, m = cfg.parallel.expert_parallel, cfg.model
     shape = family(m.arch).family_shape(m)
     rows = micro_batch * cfg.data.seq_len * shape.get("experts_per_token", 0)
     exchanges = 6 if m.activation_checkpointing else 4
-    return exchanges * m.n_layer * grad_accum * rows * m.d_model * RESIDUAL_BYTES * (e - 1) // e
+    elem = 4 if cfg.train.precision == "fp32" else 2
+    return exchanges * m.n_layer * grad_accum * rows * m.d_model * elem * (e - 1) // e
 
 
 def memory_bytes(cfg, micro_batch: int, checkpointing: bool, sdpa: bool = True, copies: int = 1) -> dict:

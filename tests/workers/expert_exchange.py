@@ -1,10 +1,13 @@
 """Test worker: one experts module split over an expert group of 2 (expert_parallel.split_experts)
 against the whole module, on each rank's own tokens, all of which choose rank 0's experts, so
-rank 1 receives nothing: its backward must still take part in the group's alltoalls. Prints
-one JSON line per rank: the largest differences of the output, the input's gradient and this
-rank's experts' gradients (summed over the ranks for the whole module)."""
+rank 1 receives nothing: its backward must still take part in the group's alltoalls. Under
+autocast (argv: float32 or bfloat16) the hidden states travel in its dtype. Prints one JSON line
+per rank: the largest differences of the output, the input's gradient and this rank's experts'
+gradients (summed over the ranks for the whole module) relative to their largest, and the
+dtypes the alltoalls sent (bf16 as int16: its bits)."""
 import copy
 import json
+import sys
 
 import horovod.torch as hvd
 import torch
@@ -13,6 +16,16 @@ from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
 from hvdtrain.parallel.expert_parallel import open_expert_groups, split_experts
 
+dtype = getattr(torch, sys.argv[1])
+sent_dtypes, alltoall = set(), hvd.alltoall
+
+
+def recorded_alltoall(tensor, **kw):
+    sent_dtypes.add(str(tensor.dtype))
+    return alltoall(tensor, **kw)
+
+
+hvd.alltoall = recorded_alltoall  # what expert_parallel calls
 hvd.init(process_sets="dynamic")
 groups = open_expert_groups(hvd.rank(), hvd.size(), 2)
 torch.manual_seed(0)  # the same weights on every rank
@@ -29,8 +42,9 @@ weights = torch.rand(6, 2)
 outputs, grads = [], []
 for module in (whole, split[0]):
     hidden = tokens.clone().requires_grad_()
-    output = module(hidden, index, weights)
-    output.square().sum().backward()
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        output = module(hidden, index, weights)
+    output.float().square().sum().backward()
     outputs.append(output)
     grads.append(hidden.grad)
 rows = slice(2 * groups.rank, 2 * groups.rank + 2)
@@ -38,8 +52,9 @@ expert_error = 0.0
 for name, weight in whole.named_parameters():
     summed = hvd.allreduce(weight.grad, op=hvd.Sum, name=name)[rows]  # Horovod: the group's tokens' gradients
     mine = getattr(split[0], name).grad
-    expert_error = max(expert_error, (summed - (torch.zeros_like(summed) if mine is None else mine)).abs().max().item())
+    difference = (summed - (torch.zeros_like(summed) if mine is None else mine)).abs().max()
+    expert_error = max(expert_error, (difference / summed.abs().max().clamp(min=1e-12)).item())
 print("RESULT " + json.dumps({"rank": hvd.rank(), "output": (outputs[0] - outputs[1]).abs().max().item(),
                               "input_grad": (grads[0] - grads[1]).abs().max().item(), "experts_grad": expert_error,
-                              "received_nothing": groups.rank == 1}), flush=True)
+                              "received_nothing": groups.rank == 1, "sent": sorted(sent_dtypes)}), flush=True)
 groups.close()
