@@ -6,6 +6,7 @@ counts: test_flops; the streamed export: test_export_streaming; bad input: test_
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from helpers import (assert_same_losses, assert_same_params, load_params, read_metrics, step_losses,
@@ -125,7 +126,7 @@ def test_a_pretrained_folder_takes_the_configured_router_settings(tmp_path):
     coefficient stays and routing is dropless."""
     torch.manual_seed(0)
     saved = tiny_mixtral(experts_per_token=2, router_aux_loss_coef=0.1)
-    # as hvdtrain exports it (save_pretrained writes Mixtral's per-expert names, which model.pretrained does not read)
+    # as hvdtrain exports it (save_pretrained writes the hub's layout: the next test)
     saved.config.save_pretrained(tmp_path / "folder")
     save_file(saved.state_dict(), tmp_path / "folder" / "model.safetensors")
     ids = torch.randint(3, 128, (2, 16))
@@ -136,6 +137,21 @@ def test_a_pretrained_folder_takes_the_configured_router_settings(tmp_path):
     records = [statistics_record(model)(training_sums(model, {"input_ids": ids, "labels": ids})[1].tolist(),
                                         ids.numel()) for model in (kept, crowded)]
     assert "expert_dropped" not in records[0] and sum(records[1]["expert_dropped"]) > 0
+
+
+def test_a_pretrained_folder_in_the_hub_layout_gives_the_saved_model_s_logits(tmp_path):
+    """save_pretrained writes Mixtral as the hub holds it (each expert's w1, w2, w3 apart, the
+    router as block_sparse_moe.gate); model.pretrained joins the pieces into the experts'
+    tensors: the same logits as the saved model."""
+    torch.manual_seed(0)
+    saved = tiny_mixtral(experts_per_token=2).eval()
+    saved.save_pretrained(tmp_path / "hub")
+    with safe_open(str(tmp_path / "hub" / "model.safetensors"), framework="pt") as f:
+        assert "model.layers.1.block_sparse_moe.experts.3.w3.weight" in f.keys()
+    loaded = build_model(ModelConfig(arch="mixtral", pretrained=str(tmp_path / "hub"), dropout=0.0), VOCAB, 16).eval()
+    ids = torch.randint(3, 128, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, saved(input_ids=ids).logits, rtol=0, atol=0)
 
 
 @pytest.mark.workers

@@ -135,8 +135,12 @@ def pretrained_blueprint(cfg: ModelConfig, vocab: Vocab, seq_len: int) -> Bluepr
     build = partial(auto.from_config, config, dtype=torch.float32, trust_remote_code=False)
     # A family whose model.* keys include training settings (Mixtral's router loss and
     # capacity factor) sets them on the folder's config and the model: its pretrained_maker.
-    settings = getattr(family(cfg.arch).modeling(), "pretrained_maker", None)
-    return Blueprint(settings(cfg, config, build) if settings else build, weights=folder, saved_rows=saved_rows)
+    modeling = family(cfg.arch).modeling()
+    settings = getattr(modeling, "pretrained_maker", None)
+    # A family whose hub folders hold some tensors in pieces (Mixtral: one per expert): saved_pieces.
+    pieces = getattr(modeling, "saved_pieces", None)
+    return Blueprint(settings(cfg, config, build) if settings else build, weights=folder, saved_rows=saved_rows,
+                     pieces=partial(pieces, config) if pieces else None)
 
 
 def transformer_blocks(model) -> torch.nn.ModuleList:

@@ -76,14 +76,15 @@ class Blueprint:
     so `torch.manual_seed(s)` before building still decides the weights.
     `weights`: a folder of safetensors files to fill the part from instead (model.pretrained);
     `saved_rows`: the embedding rows of its files, where the model has more
-    (model.resize_embeddings, see load_part)."""
+    (model.resize_embeddings, see load_part); `pieces`: the tensors its files hold in pieces
+    (load_part)."""
 
     def __init__(self, make: Callable[[], nn.Module], seed: int | None = None, weights: Path | None = None,
-                 saved_rows: int | None = None):
+                 saved_rows: int | None = None, pieces: Callable | None = None):
         with parameters_on_meta():
             self.model = make()
         self.seed = int(torch.randint(2 ** 62, ())) if seed is None else seed
-        self.weights, self.saved_rows = weights, saved_rows
+        self.weights, self.saved_rows, self.pieces = weights, saved_rows, pieces
         self.aliases = tie_aliases(self.model)  # a stage's tied half may be saved under the other name
         # The whole model's modules in initialisation order, recorded before any split takes
         # modules out of the tree: a tied weight is initialised as in the whole model also
@@ -119,7 +120,7 @@ class Blueprint:
             for module, key, p in slots:  # this group real, every other one on meta for its filling
                 module._parameters[key] = new.get(id(p), p)
             if self.weights is not None:
-                load_part(part, self.weights, self.aliases, self.saved_rows)
+                load_part(part, self.weights, self.aliases, self.saved_rows, self.pieces)
             else:
                 self._initialise()
             if take is not None and index < len(grouped):
@@ -201,13 +202,18 @@ def safetensors_files(folder: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def load_part(part: nn.Module, folder: Path, aliases: dict[str, list[str]], saved_rows: int | None = None):
+def load_part(part: nn.Module, folder: Path, aliases: dict[str, list[str]], saved_rows: int | None = None,
+              pieces: Callable | None = None):
     """Copy into `part` its own tensors (state_dict names) from the folder's safetensors files,
     one tensor at a time: the files are opened and only the part's names are read. A name not
     in the files is looked for under the other names of its tied parameter in the whole model
     (`aliases`, ties.tie_aliases) and without the model's base prefix ("transformer.",
     "bert."), as save_pretrained may write them. The copy casts to the part's dtype (fp32
     masters from 16-bit files).
+
+    `pieces(name)`: for a tensor the files may hold in pieces under other names (Mixtral's hub
+    layout: one tensor per expert), (the pieces' names, what joins the pieces into it), or None;
+    looked for where the name itself is not in the files.
 
     `saved_rows`: the files' vocabulary rows where the part has more (model.resize_embeddings).
     A tensor of `saved_rows` rows where the part's has more rows of the same width (the token
@@ -224,14 +230,29 @@ def load_part(part: nn.Module, folder: Path, aliases: dict[str, list[str]], save
     # the tensors made real (materialise's groups: the others wait on the meta device)
     targets = {name: t for name, t in part.state_dict(keep_vars=True).items() if not t.is_meta}
     by_file: dict[Path, list[tuple[str, str]]] = {}
+    joined: dict[str, tuple[list[str], Callable]] = {}
     for name in targets:
         candidates = [name, *aliases.get(name, [])]
         candidates += [c.removeprefix(f"{prefix}.") for c in candidates if prefix and c.startswith(f"{prefix}.")]
         source = next((c for c in candidates if c in files), None)
-        if source is None:
+        split = pieces(name) if source is None and pieces is not None else None
+        if split is not None and all(piece in files for piece in split[0]):
+            joined[name] = split
+        elif source is None:
             raise UserError(f"model.pretrained '{folder}' has no tensor '{name}' (or it was written for another model)")
-        by_file.setdefault(files[source], []).append((name, source))
+        else:
+            by_file.setdefault(files[source], []).append((name, source))
     with torch.no_grad():
+        for name, (names, join) in joined.items():
+            parts = []
+            for piece in names:
+                with safe_open(str(files[piece]), framework="pt") as f:
+                    parts.append(f.get_tensor(piece))
+            tensor = join(parts)
+            if tensor.shape != targets[name].shape:
+                raise UserError(f"model.pretrained '{folder}': the pieces of '{name}' ({names[0]}, ...) make shape "
+                                f"{tuple(tensor.shape)}, the model wants {tuple(targets[name].shape)}")
+            targets[name].copy_(tensor)
         for path, pairs in by_file.items():
             with safe_open(str(path), framework="pt") as f:
                 for name, source in pairs:

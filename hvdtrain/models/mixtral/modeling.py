@@ -1,5 +1,6 @@
 """Mixtral in transformers (MixtralForCausalLM): building it, its router's loss, its parts."""
 import math
+import re
 from functools import partial
 from typing import Callable
 
@@ -55,6 +56,30 @@ def pretrained_maker(cfg: ModelConfig, config, build: Callable[[], torch.nn.Modu
         config.router_z_loss_coef = cfg.router_z_loss_coef
     config.capacity_factor = cfg.capacity_factor
     return lambda: with_capacity(build(), cfg.capacity_factor)
+
+
+# A layer's router and experts, as hvdtrain (and transformers in memory) names them
+MOE_TENSOR = re.compile(r"(.+\.layers\.\d+)\.mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)")
+
+
+def saved_pieces(config, name: str):
+    """Where a Mixtral folder in the hub's layout (Mixtral 8x7B's; transformers' save_pretrained
+    writes it too) holds the tensor `name` (hvdtrain.models.model_build.load_part): the router
+    as block_sparse_moe.gate, each expert e apart as block_sparse_moe.experts.e.w1 (gate), w3
+    (up) and w2 (down). (The pieces' names, what joins them), or None for the other tensors:
+    gate_up_proj stacks each expert's w1 and w3 one after the other (its forward's chunk(2)
+    takes gate, then up), down_proj stacks the w2s."""
+    found = MOE_TENSOR.fullmatch(name)
+    if found is None:
+        return None
+    layer, tensor = found.groups()
+    moe, experts = f"{layer}.block_sparse_moe", range(config.num_local_experts)
+    if tensor == "gate.weight":
+        return [f"{moe}.gate.weight"], lambda pieces: pieces[0]
+    if tensor == "experts.down_proj":
+        return [f"{moe}.experts.{e}.w2.weight" for e in experts], torch.stack
+    return ([f"{moe}.experts.{e}.{w}.weight" for e in experts for w in ("w1", "w3")],
+            lambda pieces: torch.stack([torch.cat(pieces[i:i + 2]) for i in range(0, len(pieces), 2)]))
 
 
 def with_capacity(model: torch.nn.Module, capacity_factor: float | None) -> torch.nn.Module:
