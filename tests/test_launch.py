@@ -20,6 +20,7 @@ from helpers import (BIN, assert_one_clean_stream, assert_workers_stop_when_kill
 from hvdtrain.errors import UserError
 from hvdtrain.launching import launch
 from hvdtrain.launching.relay import LEAVING, Relay
+from hvdtrain.observe.progress import Progress, parse_progress_line
 
 # ---------------------------------------------------------------- recorded output
 
@@ -240,6 +241,15 @@ def test_rank_0_is_shown_untagged_and_the_others_only_when_it_matters():
         0, "hvdtrain: gpt2 0.94M parameters\n[worker 1 on host b] /x/y.py:3: UserWarning: the slow path\n"
            f"[worker 1 on host b] {LEAVING}rank 1 on host b is stuck\n"
            "step 10/20: loss 7.3972, lr 1.00e-03, 2670 tokens/s, comm 4%\nhvdtrain: done: 20 steps\n", "")
+
+
+def test_a_mixture_s_progress_line_carries_its_routing_through_the_launcher():
+    """A Mixtral run's line adds the router's loss and the busiest expert's load; the launcher
+    reads it back whole (and a dense model's line without them)."""
+    moe = Progress(10, 20, 7.3972, 1e-3, 2670, 0.04, aux_loss=0.0213, expert_load=1.4213)
+    assert moe.line() == "step 10/20: loss 7.3972, lr 1.00e-03, 2670 tokens/s, comm 4%, aux 0.0213, load 1.42"
+    assert parse_progress_line(moe.line()) == Progress(10, 20, 7.3972, 1e-3, 2670, 0.04, 0.0213, 1.42)
+    assert parse_progress_line(Progress(10, 20, 7.3972, 1e-3, 2670, 0.04).line()).aux_loss is None
 
 
 # ---------------------------------------------------------------- real runs

@@ -6,6 +6,9 @@ Slurm's output, the pipe of `hvdtrain launch`) it is one plain line per log poin
 
     step 10/60: loss 7.3972, lr 1.00e-03, 2670 tokens/s, comm 4%
 
+(a mixture of experts adds its router's load-balancing loss and the busiest expert's tokens
+over the mean, the largest of any layer's: `, aux 0.0213, load 1.42`)
+
 and the run's last line, its summary (hvdtrain.observe.run_log: RunLog.summary), starts with
 SUMMARY: below the bar, which stays as it last was.
 
@@ -23,7 +26,8 @@ from tqdm import tqdm
 SUMMARY = "hvdtrain: done: "
 # Set by `hvdtrain launch` for its workers: the launcher draws their progress.
 LAUNCHED = "HVDTRAIN_LAUNCHED"
-PROGRESS_LINE = re.compile(r"step (\d+)/(\d+): loss (\S+), lr (\S+), (\d+) tokens/s, comm (\d+)%$")
+PROGRESS_LINE = re.compile(r"step (\d+)/(\d+): loss (\S+), lr (\S+), (\d+) tokens/s, comm (\d+)%"
+                           r"(?:, aux (\S+), load (\S+))?$")
 
 
 @dataclass
@@ -35,10 +39,23 @@ class Progress:
     lr: float
     tokens_per_s: float
     comm_fraction: float
+    # a mixture of experts: the load-balancing loss (aux_loss) and the busiest expert's tokens
+    # over the mean (expert_load_max); None for a dense model
+    aux_loss: float | None = None
+    expert_load: float | None = None
 
     def line(self) -> str:
+        routing = "" if self.aux_loss is None else f", aux {self.aux_loss:.4f}, load {self.expert_load:.2f}"
         return (f"step {self.step}/{self.total}: loss {self.loss:.4f}, lr {self.lr:.2e}, "
-                f"{self.tokens_per_s:.0f} tokens/s, comm {self.comm_fraction:.0%}")
+                f"{self.tokens_per_s:.0f} tokens/s, comm {self.comm_fraction:.0%}{routing}")
+
+    def postfix(self) -> dict:
+        """The figures after the bar."""
+        figures = {"loss": f"{self.loss:.4f}", "lr": f"{self.lr:.2e}", "tok_s": f"{self.tokens_per_s:.0f}",
+                   "comm": f"{self.comm_fraction:.0%}"}
+        if self.aux_loss is not None:
+            figures.update(aux=f"{self.aux_loss:.4f}", load=f"{self.expert_load:.2f}")
+        return figures
 
 
 def on_terminal(stream) -> bool:
@@ -53,8 +70,9 @@ def parse_progress_line(line: str) -> Progress | None:
     match = PROGRESS_LINE.match(line.strip())
     if match is None:
         return None
-    step, total, loss, lr, tokens_per_s, comm = match.groups()
-    return Progress(int(step), int(total), float(loss), float(lr), float(tokens_per_s), int(comm) / 100)
+    step, total, loss, lr, tokens_per_s, comm, aux, load = match.groups()
+    return Progress(int(step), int(total), float(loss), float(lr), float(tokens_per_s), int(comm) / 100,
+                    None if aux is None else float(aux), None if load is None else float(load))
 
 
 class ProgressDisplay:
@@ -77,8 +95,7 @@ class ProgressDisplay:
             self.bar = tqdm(total=progress.total, initial=progress.step, desc="train", unit="step",
                             dynamic_ncols=True, file=self.stream)
         self.bar.n = progress.step
-        self.bar.set_postfix(loss=f"{progress.loss:.4f}", lr=f"{progress.lr:.2e}",
-                             tok_s=f"{progress.tokens_per_s:.0f}", comm=f"{progress.comm_fraction:.0%}", refresh=False)
+        self.bar.set_postfix(progress.postfix(), refresh=False)
         self.bar.refresh()
 
     def message(self, text: str):

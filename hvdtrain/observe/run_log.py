@@ -60,7 +60,8 @@ class RunLog:
         self.last_train = record
         self.tokens_per_s.append(record["tokens_per_s"])
         self.display.update(Progress(record["step"], self.max_steps, record["loss"], record["lr"],
-                                     record["tokens_per_s"], record.get("comm_fraction", 0.0)))
+                                     record["tokens_per_s"], record.get("comm_fraction", 0.0),
+                                     record.get("aux_loss"), record.get("expert_load_max")))
         # Warn about a rank that is the slow one in two intervals in a row: one noisy interval
         # (a shared machine, a GC pause) is not a straggler.
         slow = record["slowest_rank"] if record.get("imbalance_warning") else None
