@@ -676,16 +676,14 @@ def validate(cfg: Config):
              f"null or >= data.seq_len ({d.seq_len})", m.max_position)
     _require(par.pipeline_stages * par.stages_per_rank <= m.n_layer or m.pretrained, "parallel.pipeline_stages",
              f"at most model.n_layer={m.n_layer} stages in all (x parallel.stages_per_rank)", par.pipeline_stages)
-    # A pipeline stage's schedule carries the hidden states alone, not a mixture's router logits.
-    _require(m.arch != "mixtral" or par.pipeline_stages == 1, "parallel.pipeline_stages",
-             "1 with model.arch mixtral (pipeline stages do not carry the routers' load-balancing loss yet)",
-             par.pipeline_stages)
     if par.expert_parallel > 1:
         _require(m.arch == "mixtral", "parallel.expert_parallel", f"1 with model.arch {m.arch!r} (a family without "
                  "experts)", par.expert_parallel)
         experts = m.experts or MIXTRAL_EXPERTS
         _require(experts % par.expert_parallel == 0, "parallel.expert_parallel",
                  f"a divisor of model.experts ({experts})", par.expert_parallel)
+        _require(par.pipeline_stages == 1, "parallel.pipeline_stages", "1 with parallel.expert_parallel > 1 "
+                 "(experts split within pipeline stages are not supported yet)", par.pipeline_stages)
         _require(par.shard == "none", "parallel.shard", "'none' with parallel.expert_parallel > 1 (sharding the "
                  "copies of split experts is not supported yet)", par.shard)
         # LAMB's trust ratio takes the norm of a whole weight; a rank holds some experts' rows.

@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from helpers import (assert_same_losses, assert_same_params, load_params, read_metrics, step_losses,
-                     train_workers)
+                     train_workers, two_stages_equal_one_worker)
 from hvdtrain.config import ModelConfig
 from hvdtrain.models.common import IGNORE_INDEX, Vocab, build_model, statistics_record, training_sums
 
@@ -182,6 +182,22 @@ def test_two_workers_equal_one_worker_with_the_routing_logged(tmp_path, tiny_con
     with torch.no_grad():
         torch.testing.assert_close(exported(input_ids=ids).logits, trained.eval()(input_ids=ids).logits,
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.workers
+def test_two_pipeline_stages_train_as_one_worker(tmp_path, tiny_config):
+    """Two pipeline stages, each with one layer's router: the second receives the first's
+    routing sums with the hidden states, the last computes the router losses from both layers
+    and their gradients go back along the pipeline. The same per-step losses (router losses
+    included), logged router loss and expert tokens, and weights, as one worker."""
+    config = tiny_config({"model": {"arch": "mixtral", "n_kv_head": 1, "experts": 4, "experts_per_token": 2,
+                                    "d_ff": 32, "router_aux_loss_coef": 0.5, "router_z_loss_coef": 0.1},
+                          "train": {"micro_batch_size": 2, "global_batch_size": 8, "max_steps": 4, "lr": 1e-3}})
+    one = two_stages_equal_one_worker(tmp_path, config)
+    for a, b in zip(*(read_metrics(run)[0] for run in (one, tmp_path / "two"))):
+        assert a["aux_loss"] == pytest.approx(b["aux_loss"], rel=1e-5) and a["aux_loss"] > 0.4
+        assert a["z_loss"] == pytest.approx(b["z_loss"], rel=1e-5) and a["z_loss"] > 0
+        assert a["expert_tokens"] == b["expert_tokens"]
 
 
 @pytest.mark.workers

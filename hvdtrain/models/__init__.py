@@ -161,3 +161,12 @@ class ModelParts:
     # A mixture: module -> whether it holds one layer's experts (what parallel.expert_parallel
     # splits, hvdtrain.parallel.expert_parallel); None: the family has none.
     is_experts: Optional[Callable] = None
+    # A pipeline stage of a family with an auxiliary loss passes on more than the hidden states
+    # (a mixture: its routers' sums, which the loss needs from every layer):
+    # stage_carry(stage, layer ids, what the stage before sent or None, run_layers) -> (hidden
+    # states, what this stage sends on), run_layers() running the stage's layers; the last
+    # stage's carried_loss(config, what it sends on, tokens, targets) -> (what the micro batch
+    # adds to its loss sum, statistics: as auxiliary_loss's), statistics_size(config) of them.
+    stage_carry: Optional[Callable] = None
+    carried_loss: Optional[Callable] = None
+    statistics_size: Callable = lambda config: 0

@@ -40,7 +40,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from hvdtrain.models import family_of
-from hvdtrain.models.common import linear_cross_entropy_sum, masked_positions, switch
+from hvdtrain.models.common import IGNORE_INDEX, linear_cross_entropy_sum, masked_positions, switch
 from hvdtrain.models.ties import tied_names
 from hvdtrain.parallel.parallel_dims import Groups, Layout
 # The torch-free arithmetic (split, schedule checks, ideal bubble) lives in pipeline_plan, for
@@ -122,20 +122,32 @@ class StageModule(nn.Module):
         """This rank's transformer layers, keyed by their index in the whole model."""
         return self.get_submodule(self.parts.layers)
 
-    def _run_stage(self, layer_ids: range, first: bool, last: bool, x: torch.Tensor) -> torch.Tensor:
+    def _run_stage(self, layer_ids: range, first: bool, last: bool, x: torch.Tensor, carried=None):
+        """The stage's output: its hidden states, or (a family with a stage_carry: a mixture)
+        (hidden states, what it carries on to the next stage, from `carried`)."""
         h = self.embed(x) if first else x
         inputs = self.parts.layer_inputs(self, h)  # each layer's keyword arguments (rotary embeddings, masks)
-        for i in layer_ids:
-            layer = self.layers[str(i)]
-            h = layer(h, **inputs(layer))
-            if isinstance(h, tuple):  # transformers 4.x blocks return tuples
-                h = h[0]
-        return self.final_norm(h) if last else h
+
+        def run_layers():
+            out = h
+            for i in layer_ids:
+                layer = self.layers[str(i)]
+                out = layer(out, **inputs(layer))
+                if isinstance(out, tuple):  # transformers 4.x blocks return tuples
+                    out = out[0]
+            return out
+
+        if self.parts.stage_carry is None:
+            out = run_layers()
+            return self.final_norm(out) if last else out
+        out, carried = self.parts.stage_carry(self, layer_ids, carried, run_layers)
+        return (self.final_norm(out) if last else out), carried
 
     def run_layers(self, layer_ids: range, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states through some of this stage's layers (hvdtrain.parallel.layer_costs times
         them one at a time)."""
-        return self._run_stage(layer_ids, False, False, hidden)
+        out = self._run_stage(layer_ids, False, False, hidden)
+        return out[0] if isinstance(out, tuple) else out
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.parts.embed(self, input_ids)
@@ -165,8 +177,8 @@ class _Chunk(nn.Module):
         super().__init__()
         self.forward_fn = forward_fn
 
-    def forward(self, x):
-        return self.forward_fn(x)
+    def forward(self, *inputs):
+        return self.forward_fn(*inputs)
 
 
 def split_model(model: nn.Module, layout: Layout, bounds: list[int]) -> StageModule:
@@ -188,19 +200,30 @@ def tied_parameters(stage: StageModule) -> dict[str, nn.Parameter]:
 
 class TokenLoss:
     """The schedule's loss of one micro batch: `scale` x the sum of its token cross-entropies
-    (labels == -100 ignored). The schedule does not average over micro batches
+    (labels == -100 ignored), plus in training a family's auxiliary loss from what the stages
+    carried (ModelParts.carried_loss), whose statistics it keeps in `statistics` (one vector
+    per micro batch, until the next run). The schedule does not average over micro batches
     (scale_grads=False): the caller picks the scale and normalises gradients itself (see
     distributed.TokenNormalizer). `scale` may be changed between steps."""
 
     def __init__(self, stage: StageModule, scale: float):
         self.stage, self.scale = stage, scale
+        self.training, self.statistics = True, []
 
-    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, output, labels: torch.Tensor) -> torch.Tensor:
+        hidden, carried = output if isinstance(output, tuple) else (output, None)
+        tokens = hidden.shape[0] * hidden.shape[1]
         # in chunks of positions, as the whole model's loss (models.common.token_loss_sum): a
         # micro batch's whole logits are never held, in training or in evaluation
         features, labels = self.stage.head_inputs(hidden, labels)
         head = self.stage.output_projection
-        return linear_cross_entropy_sum(features, head.weight, head.bias, labels) * self.scale
+        loss = linear_cross_entropy_sum(features, head.weight, head.bias, labels)
+        if carried is not None and self.training:
+            auxiliary, statistics = self.stage.parts.carried_loss(self.stage.config, carried, tokens,
+                                                                  (labels != IGNORE_INDEX).sum())
+            loss = loss + auxiliary
+            self.statistics.append(statistics)
+        return loss * self.scale
 
 
 class InFlightStage(PipelineStage):
@@ -332,6 +355,7 @@ def run(pipe: Pipeline, input_ids: torch.Tensor, labels: torch.Tensor, train: bo
     layout = pipe.layout
     args = (input_ids,) if layout.is_first else ()
     losses = [] if layout.is_last else None
+    pipe.loss.training, pipe.loss.statistics = train, []
     step = pipe.schedule.step if train else pipe.schedule.eval
     # torch.distributed: send/recv of activations (and gradients) along the pipeline
     step(*args, target=labels if layout.is_last else None, losses=losses, return_outputs=False)

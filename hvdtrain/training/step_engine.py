@@ -241,11 +241,13 @@ class PipelinedStep(PlainStep):
 
     def forward_backward(self, micro_batches, timer):
         """The schedule's runs of m micro batches: forward and backward of every stage
-        interleaved (sends and receives along the pipeline). The sum of token losses is the last
+        interleaved (sends and receives along the pipeline). The sum of token losses (and of a
+        family's auxiliary loss, followed by its statistics, as PlainStep's) is the last
         stage's; 0 on the others."""
         pipe, scaler = self.pipe, self.scaler
         pipe.loss.scale = self.normalizer.loss_scale * (scaler.get_scale() if scaler.is_enabled() else 1.0)
         loss_sum = torch.zeros((), device=self.device)
+        statistics = torch.zeros(self.model.parts.statistics_size(self.model.config), device=self.device)
         m = pipe.n_microbatches
         for i in range(0, len(micro_batches), m):
             run = micro_batches[i:i + m]
@@ -253,7 +255,10 @@ class PipelinedStep(PlainStep):
                 # torch.distributed: send/recv of activations and gradients along the pipeline
                 loss_sum += pipeline.run(pipe, torch.cat([mb["input_ids"] for mb in run]),
                                          torch.cat([mb["labels"] for mb in run]))
-        return loss_sum
+            # the run's m micro batches' (the first run after a switch between training and
+            # evaluation adds torch's shape inference, one more call of the loss, before them)
+            statistics += sum(pipe.loss.statistics[-m:], torch.zeros_like(statistics))
+        return loss_sum if statistics.numel() == 0 else torch.cat([loss_sum.reshape(1), statistics])
 
     def reduce_gradients(self):
         """The copies of the stage agree, then the tied embedding's two ends."""

@@ -84,11 +84,9 @@ def saved_pieces(config, name: str):
 
 def with_capacity(model: torch.nn.Module, capacity_factor: float | None) -> torch.nn.Module:
     """`model` whose routers drop the pairs over capacity_factor's capacity (None: dropless)."""
-    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
-
     if capacity_factor is not None:
         for module in model.modules():
-            if isinstance(module, MixtralTopKRouter):
+            if isinstance(module, router_class()):
                 module.register_forward_hook(partial(drop_over_capacity, capacity_factor))
     return model
 
@@ -111,36 +109,106 @@ def drop_over_capacity(capacity_factor: float, router, inputs, output):
     return logits, weights * kept, experts
 
 
-def routing_loss(model, body_output, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(router losses x targets, [load-balancing loss, z-loss, the tokens each layer's router
-    sent to each expert]) of one micro batch.
+# A micro batch's routing, summed layer by layer (routing_sums) so that pipeline stages can add
+# their layers' to what the stages before them sent (stage_routing), one vector of
+#   E       each expert's router probabilities summed over the tokens and layers   (gradients)
+#   1       the router logits' squared log-sum-exp summed over the tokens and layers (gradients)
+#   L x E   the (token, expert) pairs each layer's router chose                   (counts)
+#   L       the pairs each layer's capacity factor dropped (0: dropless)           (counts)
+# of which routing_loss_of makes the losses and the statistics the run logs.
 
-    The load-balancing loss is Switch Transformer's over every layer's router logits
-    (transformers' load_balancing_loss_func: experts x the sum over experts of the share of
-    routed tokens sent to it x its mean router probability; k, the experts per token, when the
-    tokens spread evenly),
-    times model.router_aux_loss_coef; the z-loss ST-MoE's (the squared log-sum-exp of each
-    token's router logits, averaged over tokens and layers), times model.router_z_loss_coef.
-    Both count once for each of the micro batch's `targets` (see models.common.training_sums)."""
-    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+def routing_size(config) -> int:
+    layers, experts = config.num_hidden_layers, config.num_local_experts
+    return experts + 1 + layers * experts + layers
 
-    config = model.config
+
+def has_capacity(config) -> bool:
+    return getattr(config, "capacity_factor", None) is not None  # a folder saved elsewhere has none
+
+
+def statistics_size(config) -> int:
+    """The length of routing_loss_of's statistics (every pipeline stage sends as many)."""
+    layers, experts = config.num_hidden_layers, config.num_local_experts
+    return 2 + layers * experts + (layers if has_capacity(config) else 0)
+
+
+def routing_sums(config, layers: list[tuple[int, torch.Tensor, torch.Tensor | None]],
+                 carried: torch.Tensor | None = None) -> torch.Tensor:
+    """`carried` (None: nothing yet) plus the routing of `layers`: (layer index, its router's
+    logits (tokens, experts), the pairs its capacity factor dropped or None)."""
     experts, k = config.num_local_experts, config.num_experts_per_tok
-    logits = body_output.router_logits  # a (tokens, experts) tensor per layer
-    balance = config.router_aux_loss_coef * load_balancing_loss_func(logits, experts, k) * targets
-    z_coef = getattr(config, "router_z_loss_coef", ROUTER_Z_LOSS_COEF)  # a folder saved elsewhere has none
-    z = (z_coef * torch.stack([torch.logsumexp(layer.float(), dim=-1).square().mean() for layer in logits]).mean()
-         * targets)
+    n_layers = config.num_hidden_layers
+    device = layers[0][1].device
+    probabilities = sum(torch.softmax(logits.float(), dim=-1).sum(dim=0) for _, logits, _ in layers)
+    z = sum(torch.logsumexp(logits.float(), dim=-1).square().sum() for _, logits, _ in layers)
     with torch.no_grad():
-        # the experts each token is sent to, as the router picks them (top-k of its logits)
-        chosen = torch.stack([layer.topk(k, dim=-1).indices for layer in logits]).flatten(1)  # (layers, tokens x k)
-        tokens = torch.zeros(len(logits), experts, device=chosen.device).scatter_add_(
-            1, chosen, torch.ones(chosen.shape, device=chosen.device))
-    statistics = [balance.detach().float().reshape(1), z.detach().float().reshape(1), tokens.flatten()]
-    dropped = [m.dropped for m in model.modules() if hasattr(m, "dropped")]
-    if dropped:  # a capacity factor: the pairs each layer's router dropped (drop_over_capacity)
-        statistics.append(torch.stack(dropped).float())
+        counts, dropped = torch.zeros(n_layers, experts, device=device), torch.zeros(n_layers, device=device)
+        for index, logits, layer_dropped in layers:
+            # the experts each token is sent to, as the router picks them (top-k of its logits)
+            counts[index] = torch.bincount(logits.topk(k, dim=-1).indices.flatten(), minlength=experts).float()
+            if layer_dropped is not None:
+                dropped[index] = layer_dropped.float()
+    added = torch.cat([probabilities, z.reshape(1), counts.flatten(), dropped])
+    return added if carried is None else carried + added
+
+
+def routing_loss_of(config, carried: torch.Tensor, tokens: int, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(router losses x targets, [load-balancing loss, z-loss, the tokens each layer's router
+    sent to each expert, (with a capacity factor) the pairs each layer dropped]) of one micro
+    batch of `tokens` tokens, from every layer's routing_sums (`carried`).
+
+    The load-balancing loss is Switch Transformer's over every layer's router logits, as
+    transformers' load_balancing_loss_func computes it: experts x the sum over experts of the
+    share of the (token, layer) rows' choices sent to it x its mean router probability (k, the
+    experts per token, when the tokens spread evenly), times model.router_aux_loss_coef; the
+    z-loss ST-MoE's (the squared log-sum-exp of each token's router logits, averaged over tokens
+    and layers), times model.router_z_loss_coef. Both count once for each of the micro batch's
+    `targets` (see models.common.training_sums)."""
+    experts, n_layers = config.num_local_experts, config.num_hidden_layers
+    rows = n_layers * tokens
+    probabilities, z_sum = carried[:experts], carried[experts]
+    counts = carried[experts + 1:experts + 1 + n_layers * experts].detach()
+    chosen = counts.view(n_layers, experts).sum(dim=0)
+    balance = config.router_aux_loss_coef * experts * ((chosen / rows) * (probabilities / rows)).sum() * targets
+    z_coef = getattr(config, "router_z_loss_coef", ROUTER_Z_LOSS_COEF)  # a folder saved elsewhere has none
+    z = z_coef * z_sum / rows * targets
+    statistics = [balance.detach().reshape(1), z.detach().reshape(1), counts]
+    if has_capacity(config):  # the pairs each layer's router dropped (drop_over_capacity)
+        statistics.append(carried[-n_layers:].detach())
     return balance + z, torch.cat(statistics)
+
+
+def routing_loss(model, body_output, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """routing_loss_of the whole model's routers (their logits: the body's router_logits)."""
+    routers = [m for m in model.modules() if isinstance(m, router_class())]
+    layers = [(i, logits, getattr(router, "dropped", None))
+              for i, (logits, router) in enumerate(zip(body_output.router_logits, routers))]
+    return routing_loss_of(model.config, routing_sums(model.config, layers), layers[0][1].shape[0], targets)
+
+
+def stage_routing(stage, layer_ids: range, carried: torch.Tensor | None, run_layers: Callable):
+    """A pipeline stage's layers (hvdtrain.parallel.pipeline.StageModule), run by
+    `run_layers()`, with their routers' routing_sums added to what the stage before sent
+    (`carried`; None on the first stage): (hidden states, carried), which the next stage
+    receives, and from which the last computes the router losses (routing_loss_of). Their
+    gradients go back along the pipeline with the hidden states'."""
+    seen = []
+    handles = [stage.layers[str(i)].mlp.gate.register_forward_hook(
+        lambda router, args, output, i=i: seen.append((i, output[0], router))) for i in layer_ids]
+    try:
+        hidden = run_layers()
+    finally:
+        for handle in handles:
+            handle.remove()
+    layers = [(i, logits, getattr(router, "dropped", None)) for i, logits, router in seen]
+    return hidden, routing_sums(stage.config, layers, carried)
+
+
+def router_class() -> type:
+    """transformers' Mixtral router (imported when first needed, as transformers everywhere here)."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+
+    return MixtralTopKRouter
 
 
 def routing_record(config, statistics: list[float], targets: float) -> dict:
@@ -172,4 +240,6 @@ def is_experts(module: torch.nn.Module) -> bool:
 
 # Llama's parts (the same module names and steps), and the body asked for its routers' logits
 PARTS = ModelParts(**{**LLAMA_PARTS.__dict__, "body_options": {"output_router_logits": True},
-                      "auxiliary_loss": routing_loss, "statistics_record": routing_record, "is_experts": is_experts})
+                      "auxiliary_loss": routing_loss, "statistics_record": routing_record, "is_experts": is_experts,
+                      "stage_carry": stage_routing, "carried_loss": routing_loss_of,
+                      "statistics_size": statistics_size})
