@@ -59,10 +59,10 @@ def test_two_expert_groups_train_as_one_worker(tmp_path, tiny_config, capacity_f
 
 def test_four_workers_in_two_expert_groups_train_as_one_worker(tmp_path, tiny_config):
     """4 workers, e=2: ranks 0 and 2 (1 and 3) hold the same experts and reduce their gradients
-    in a process set of their own; with horovod.gradient_predivide_factor 2 as well, the losses
-    and exported weights are one worker's (micro batches of 2 for both: the router loss is a
-    micro batch's)."""
-    config = tiny_config({**MOE, "train": {**MOE["train"], "micro_batch_size": 2}})
+    in a process set of their own, each allreduce started in the step's second (last) backward;
+    with horovod.gradient_predivide_factor 2 as well, the losses and exported weights are one
+    worker's (micro batches of 1 for both: the router loss is a micro batch's)."""
+    config = tiny_config({**MOE, "train": {**MOE["train"], "micro_batch_size": 1}})
     one, split = tmp_path / "np1", tmp_path / "e2np4"
     train_workers(1, config, f"out_dir={one}")
     train_workers(4, config, f"out_dir={split}", "parallel.expert_parallel=2", "horovod.gradient_predivide_factor=2",

@@ -6,7 +6,7 @@
                     batches of both and sums their gradients as the two did)
     ExpertParallelStep  parallel.expert_parallel: as PlainStep, with each layer's experts split
                     over the ranks of an expert group (hvdtrain.parallel.expert_parallel); the
-                    dense and the expert gradients allreduced after backward, over different ranks
+                    dense and the expert gradients allreduced during backward, over different ranks
     PipelinedStep   this worker's pipeline stage (hvdtrain.parallel.pipeline): torch's schedule runs the
                     micro batches, Horovod reduces gradients among the copies of the stage only
                     (during the schedule's backward, or after it), the tied embedding is summed
@@ -190,18 +190,18 @@ class StandInStep(PlainStep):
 class ExpertParallelStep(PlainStep):
     """parallel.expert_parallel: the whole model on every worker, each layer's experts split over
     the ranks of an expert group, which exchange tokens in every forward
-    (hvdtrain.parallel.expert_parallel). `optimizer` is a plain one: after backward the dense
-    gradients are allreduced over all workers, the experts' over the ranks holding the same
-    experts; the norm counts each expert once."""
+    (hvdtrain.parallel.expert_parallel). `optimizer` is a plain one: during the last backward
+    the dense gradients are allreduced over all workers, the experts' over the ranks holding the
+    same experts (expert_parallel.GradientReduction); the norm counts each expert once."""
 
-    def __init__(self, *args, groups, horovod: HorovodConfig, micro_batch_shape: tuple[int, int]):
+    def __init__(self, *args, groups, horovod: HorovodConfig, micro_batch_shape: tuple[int, int], grad_accum: int):
         super().__init__(*args)
-        self.groups, self.horovod, self.micro_batch_shape = groups, horovod, micro_batch_shape
+        self.groups, self.micro_batch_shape = groups, micro_batch_shape
         self.expert_names = expert_parallel.expert_weight_names(self.model)
+        self.reduction = expert_parallel.GradientReduction(self.model, self.expert_names, groups, horovod, grad_accum)
 
     def reduce_gradients(self):
-        # Horovod: grouped allreduces of the dense and of the expert gradients
-        expert_parallel.reduce_gradients(self.model, self.expert_names, self.groups, self.horovod)
+        self.reduction.wait()  # Horovod: wait for the allreduces started in backward
 
     def clip_gradients(self, max_norm):
         self.scaler.unscale_(self.optimizer)
@@ -221,7 +221,7 @@ class ExpertParallelStep(PlainStep):
 
     def describe(self):
         return {"experts": f"each layer's experts split over {self.groups.size} workers (alltoall), gradients "
-                           f"reduced after backward"}
+                           f"reduced during backward"}
 
     def close(self):
         self.groups.close()  # Horovod: remove the process sets (collective)
@@ -408,7 +408,7 @@ def build_engine(cfg: Config, device, model, optimizer, scaler, grad_accum: int,
         args = (model, optimizer, scaler, normalizer, autocast, device)
         if expert_groups is not None:
             engine = ExpertParallelStep(*args, groups=expert_groups, horovod=cfg.horovod,
-                                        micro_batch_shape=(t.micro_batch_size, cfg.data.seq_len))
+                                        micro_batch_shape=(t.micro_batch_size, cfg.data.seq_len), grad_accum=grad_accum)
         else:
             engine = StandInStep(*args, grad_accum=grad_accum) if stand_in else PlainStep(*args)
     else:
