@@ -386,11 +386,18 @@ class ParallelConfig:
     # holding the same experts, the others' over all. Must divide model.experts and the workers.
     # 1: every worker holds every expert.
     expert_parallel: int = 1
+    # Tensor parallelism (Megatron-LM's, docs/tensor-parallel.md): each layer's attention and MLP
+    # matrices split over this many neighbouring workers (one node), which read the same samples,
+    # with torch.distributed.tensor.parallel; the workers / t copies are data parallel as without.
+    # Must divide the workers, model.n_head and model.n_kv_head. model.arch llama or bert;
+    # not yet with pipeline stages, parallel.shard or expert parallelism. 1: whole layers.
+    tensor_parallel: int = 1
 
     def check(self):
         _require(self.pipeline_stages >= 1, "parallel.pipeline_stages", "an integer >= 1", self.pipeline_stages)
         _require(self.stages_per_rank >= 1, "parallel.stages_per_rank", "an integer >= 1", self.stages_per_rank)
         _require(self.expert_parallel >= 1, "parallel.expert_parallel", "an integer >= 1", self.expert_parallel)
+        _require(self.tensor_parallel >= 1, "parallel.tensor_parallel", "an integer >= 1", self.tensor_parallel)
         _require(self.microbatches is None or self.microbatches >= 1, "parallel.microbatches",
                  "null or an integer >= 1", self.microbatches)
         _require(not self.shard_optimizer or self.shard in ("none", "optimizer"), "parallel.shard_optimizer",
@@ -689,6 +696,18 @@ def validate(cfg: Config):
         # LAMB's trust ratio takes the norm of a whole weight; a rank holds some experts' rows.
         _require(cfg.train.optimizer != "lamb", "train.optimizer", "'adamw' with parallel.expert_parallel > 1 "
                  "(LAMB's trust ratio needs the norm of each whole expert weight)", cfg.train.optimizer)
+    if par.tensor_parallel > 1:
+        t = par.tensor_parallel
+        _require(m.arch in ("llama", "bert"), "parallel.tensor_parallel",
+                 f"1 with model.arch {m.arch!r} (tensor parallelism splits llama and bert layers)", t)
+        for key, heads in (("model.n_head", m.n_head), ("model.n_kv_head", m.n_kv_head)):
+            _require(m.pretrained or heads is None or heads % t == 0, "parallel.tensor_parallel",
+                     f"a divisor of {key} ({heads}): each worker holds {key} / t heads", t)
+        for key, value, other in (("parallel.pipeline_stages", par.pipeline_stages, 1),
+                                  ("parallel.expert_parallel", par.expert_parallel, 1),
+                                  ("parallel.shard", par.shard, "none"), ("train.optimizer", cfg.train.optimizer, "adamw")):
+            _require(value == other, key, f"{other!r} with parallel.tensor_parallel > 1 (not supported together yet)",
+                     value)
     # Cross-section: sharding reduce-scatters the gradients itself, uncompressed.
     _require(par.shard == "none" or cfg.horovod.compression == "none", "horovod.compression",
              f"'none' with parallel.shard={par.shard!r} (the gradients are reduce-scattered in their own dtype)",
@@ -707,12 +726,15 @@ def resolve_batch(cfg: Config, world_size: int) -> tuple[int, int]:
     train.micro_batch_size (hvdtrain.data.sampler.StreamSampler); the loss is normalised by the
     step's target tokens on all ranks, so the step is exactly the same. With pipeline stages,
     the copies that read different data are world_size / parallel.pipeline_stages, and the
-    division must be exact (a schedule's run splits into micro batches of one size)."""
-    t, stages = cfg.train, cfg.parallel.pipeline_stages
-    if world_size % stages:
-        raise UserError(f"config key 'parallel.pipeline_stages': {stages} does not divide the {world_size} workers")
-    copies = world_size // stages
-    readers = "workers" if stages == 1 else f"data-parallel copies ({world_size} workers / {stages} stages)"
+    division must be exact (a schedule's run splits into micro batches of one size). With tensor
+    parallelism the copies are world_size / parallel.tensor_parallel."""
+    t, stages, split = cfg.train, cfg.parallel.pipeline_stages, cfg.parallel.tensor_parallel
+    for key, size in (("parallel.pipeline_stages", stages), ("parallel.tensor_parallel", split)):
+        if world_size % size:
+            raise UserError(f"config key '{key}': {size} does not divide the {world_size} workers")
+    copies = world_size // (stages * split)  # the workers of a pipeline, or of a layer's slices, read the same samples
+    readers = ("workers" if copies == world_size else
+               f"data-parallel copies ({world_size} workers / {stages} stages / {split} slices of each layer)")
     if t.global_batch_size is None:
         grad_accum = t.grad_accum
     elif stages > 1 and t.global_batch_size % (t.micro_batch_size * copies):

@@ -30,6 +30,11 @@ CASES = [
      ["'parallel.shard'", "'none' with parallel.expert_parallel > 1"]),
     (["model.arch=mixtral", "parallel.expert_parallel=2", "train.optimizer=lamb", "train.weight_decay=0.01"],
      ["'train.optimizer'", "'adamw' with parallel.expert_parallel > 1"]),
+    (["parallel.tensor_parallel=2"], ["'parallel.tensor_parallel'", "1 with model.arch 'gpt2'"]),
+    (["model.arch=llama", "model.n_head=4", "model.n_kv_head=1", "parallel.tensor_parallel=2"],
+     ["'parallel.tensor_parallel'", "a divisor of model.n_kv_head (1)"]),
+    (["model.arch=llama", "parallel.tensor_parallel=2", "parallel.pipeline_stages=2"],
+     ["'parallel.pipeline_stages'", "1 with parallel.tensor_parallel > 1"]),
     (["model.arch=bert", "model.tie_embeddings=false"], ["'model.tie_embeddings'", "model.arch bert"]),
     (["model.arch=t5"], ["'model.arch'", "'llama'"]),
     (["model.local_attention=64"], ["'model.local_attention'", "a knob of modernbert only"]),
@@ -77,13 +82,15 @@ def test_bad_input_through_launch_is_reported_once(tmp_path, tiny_config):
     assert_one_line_error(proc, ["'train.lr'"], out)
 
 
-def test_expert_groups_that_do_not_divide_the_workers_are_reported_once(tmp_path, tiny_config):
-    """parallel.expert_parallel=4 on 2 workers: known only once the workers count themselves."""
+@pytest.mark.parametrize("arch,key", [("mixtral model.experts=4", "expert_parallel"), ("llama model.n_head=4", "tensor_parallel")])
+def test_groups_that_do_not_divide_the_workers_are_reported_once(tmp_path, tiny_config, arch, key):
+    """parallel.expert_parallel=4 (tensor_parallel=4) on 2 workers: known only once the
+    workers count themselves."""
     out = tmp_path / "run"
-    proc = hvdtrain("launch", "-np", "2", tiny_config(), f"out_dir={out}", "model.arch=mixtral", "model.experts=4",
-                    "parallel.expert_parallel=4")
+    proc = hvdtrain("launch", "-np", "2", tiny_config(), f"out_dir={out}", *f"model.arch={arch}".split(),
+                    f"parallel.{key}=4")
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    message = "config key 'parallel.expert_parallel': 4 does not divide the 2 workers"
+    message = f"config key 'parallel.{key}': 4 does not divide the 2 workers"
     assert (proc.stdout + proc.stderr).count(message) == 1, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
     assert not out.exists()

@@ -100,10 +100,11 @@ def parameter_names(optimizer, model) -> list[str]:
     return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
-def optimizer_tensors(optimizer, model) -> dict[str, torch.Tensor]:
-    """The optimizer's per-parameter state by parameter name."""
+def optimizer_tensors(optimizer, model, whole=lambda tensor: tensor) -> dict[str, torch.Tensor]:
+    """The optimizer's per-parameter state by parameter name; `whole(tensor)`: the whole tensor
+    of a split one (tensor parallelism: a DTensor's, gathered)."""
     ordered = parameter_names(optimizer, model)
-    return {f"{ordered[index]}::{key}": torch.as_tensor(value).detach().cpu().contiguous()
+    return {f"{ordered[index]}::{key}": whole(torch.as_tensor(value)).detach().cpu().contiguous()
             for index, values in optimizer.state_dict()["state"].items() for key, value in values.items()}
 
 
@@ -428,11 +429,17 @@ def _read_parts(path: Path, prefix: str, keys: dict[str, str], part) -> dict[str
     return found
 
 
-def load_weights(model, path: Path, aliases: dict[str, list[str]] | None = None, part=whole):
+def as_saved(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """load_weights' and load_optimizer's default `place`: every tensor as it was read."""
+    return tensor
+
+
+def load_weights(model, path: Path, aliases: dict[str, list[str]] | None = None, part=whole, place=as_saved):
     """Fill `model` (a whole model or one pipeline stage) from the checkpoint's parts, by name.
     `part(name)`: None for a tensor the model holds whole, or (start, end, shape): the values
     [start, end) of the flattened saved tensor that it holds in that shape (expert parallelism:
-    this rank's experts, read without the others')."""
+    this rank's experts, read without the others'). `place(name, tensor)`: what the model holds
+    of the tensor read (tensor parallelism: a DTensor of its slice)."""
     aliases = tie_aliases(model) if aliases is None else aliases
     names = list(model.state_dict())
     found = read_weights(path, [n for n in names if part(n) is None], aliases)
@@ -441,14 +448,15 @@ def load_weights(model, path: Path, aliases: dict[str, list[str]] | None = None,
     if missing:
         raise UserError(f"the checkpoint {path} has no weights for '{missing[0]}'; it was written for another model")
     try:
-        model.load_state_dict(found, strict=True)
+        model.load_state_dict({name: place(name, tensor) for name, tensor in found.items()}, strict=True)
     except RuntimeError as e:
         raise UserError(f"the checkpoint {path} does not fit this model ({str(e).strip().splitlines()[-1].strip()})") from None
 
 
-def load_optimizer(optimizer, model, path: Path, aliases: dict[str, list[str]] | None = None, part=whole):
+def load_optimizer(optimizer, model, path: Path, aliases: dict[str, list[str]] | None = None, part=whole,
+                   place=as_saved):
     """Fill a freshly built optimizer with the state saved by parameter name in `path`
-    (`part` as load_weights')."""
+    (`part` and `place`, given the parameter's name, as load_weights')."""
     aliases = tie_aliases(model) if aliases is None else aliases
     names = parameter_names(optimizer, model)
     sources = {a: n for n in names for a in [n, *aliases.get(n, [])]}  # a saved name -> the parameter's
@@ -457,7 +465,7 @@ def load_optimizer(optimizer, model, path: Path, aliases: dict[str, list[str]] |
     by_name = {}
     for key, value in _read_parts(path, "optimizer", keys, part).items():
         name, field = key.split("::", 1)
-        by_name.setdefault(name, {})[field] = value
+        by_name.setdefault(name, {})[field] = place(sources[name], value)
     state = {}
     for index, name in enumerate(names):
         source = next((n for n in [name, *aliases.get(name, [])] if n in by_name), None)

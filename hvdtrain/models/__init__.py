@@ -170,3 +170,8 @@ class ModelParts:
     stage_carry: Optional[Callable] = None
     carried_loss: Optional[Callable] = None
     statistics_size: Callable = lambda config: 0
+    # parallel.tensor_parallel (hvdtrain.parallel.tensor_parallel): each linear layer of a layer
+    # that is split, by its path within the layer: "colwise" (its outputs split: query, key,
+    # value, up projections) or "rowwise" (its inputs: the projections back to d_model); None:
+    # the family is not split yet.
+    tensor_plan: Optional[dict] = None

@@ -77,8 +77,9 @@ def init(cfg: Config) -> World:
     if hvd is None:
         raise UserError("Horovod is not installed in this environment; run `make setup` (or scripts/install.py)")
     os.environ.update(horovod_env(cfg))
-    # Pipeline stages and split experts reduce gradients within process sets added after init.
-    dynamic = cfg.parallel.pipeline_stages > 1 or cfg.parallel.expert_parallel > 1
+    # Pipeline stages, split experts and split layers reduce gradients within process sets added after init.
+    par = cfg.parallel
+    dynamic = max(par.pipeline_stages, par.expert_parallel, par.tensor_parallel) > 1
     hvd.init(**({"process_sets": "dynamic"} if dynamic else {}))  # Horovod: init
     if torch.cuda.is_available():
         torch.cuda.set_device(hvd.local_rank())
@@ -171,8 +172,20 @@ def allreduce_grads(params, process_set, name: str, op=None, compression=None, g
     """Reduce the gradients of `params` over `process_set` in one grouped Horovod allreduce, after
     backward: the mode for a plain (not Distributed) optimizer (pipeline stages whose copies
     reduce after the schedule's run, where NCCL cannot run two communicators at once; expert
-    parallelism, whose two kinds of weights reduce over different ranks). op: hvd.Average by
-    default. A `process_set` of None is a set of this rank alone: nothing is sent.
+    parallelism, whose two kinds of weights reduce over different ranks). A missing gradient is
+    sent as zeros (every copy must send the same list); the rest as allreduce_tensors."""
+    params = [p for p in params if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    allreduce_tensors([p.grad for p in params], process_set, name, op, compression, gradient_predivide_factor,
+                      postscale)
+
+
+def allreduce_tensors(tensors: list, process_set, name: str, op=None, compression=None,
+                      gradient_predivide_factor: float = 1.0, postscale: float = 1.0):
+    """Reduce `tensors` in place over `process_set` in one grouped Horovod allreduce. op:
+    hvd.Average by default. A `process_set` of None is a set of this rank alone: nothing is sent.
 
     `compression` (hvd.Compression.fp16: sent as fp16) and `gradient_predivide_factor` f
     (horovod.compression and horovod.gradient_predivide_factor) work as in
@@ -181,22 +194,24 @@ def allreduce_grads(params, process_set, name: str, op=None, compression=None, g
     The result is multiplied by `postscale` too."""
     op = hvd.Average if op is None else op
     compression = hvd.Compression.none if compression is None else compression
-    params = [p for p in params if p.requires_grad]
-    for p in params:
-        if p.grad is None:  # every copy must send the same list
-            p.grad = torch.zeros_like(p)
-    if process_set is None or not params:
+    if process_set is None or not tensors:
         if postscale != 1.0:
-            torch._foreach_mul_([p.grad for p in params], postscale)
+            torch._foreach_mul_(tensors, postscale)
         return
-    compressed, contexts = zip(*[compression.compress(p.grad) for p in params])
+    compressed, contexts = zip(*[compression.compress(t) for t in tensors])
     predivide = gradient_predivide_factor if op == hvd.Average else 1.0
     # Horovod: grouped allreduce within the process set
     hvd.grouped_allreduce_(list(compressed), op=op, name=name, process_set=process_set,
                            prescale_factor=1.0 / predivide, postscale_factor=predivide * postscale)
-    for p, sent, context in zip(params, compressed, contexts):
-        if sent is not p.grad:  # reduced in a compressed copy: back into the gradient
-            p.grad.copy_(compression.decompress(sent, context))
+    for tensor, sent, context in zip(tensors, compressed, contexts):
+        if sent is not tensor:  # reduced in a compressed copy: back into the tensor
+            tensor.copy_(compression.decompress(sent, context))
+
+
+def reduction_options(cfg: HorovodConfig) -> dict:
+    """horovod.op, compression and gradient_predivide_factor as allreduce_tensors' arguments."""
+    return {"op": reduce_op(cfg), "compression": compression(cfg),
+            "gradient_predivide_factor": cfg.gradient_predivide_factor}
 
 
 class StepTotals:

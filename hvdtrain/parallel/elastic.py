@@ -113,6 +113,9 @@ def check_elastic_config(cfg: Config):
     if cfg.parallel.expert_parallel > 1:  # the expert groups would have to re-form after every reset
         raise UserError(f"config key 'parallel.expert_parallel': elastic jobs do not support expert parallelism "
                         f"(got {cfg.parallel.expert_parallel}); use 1, or a fixed number of workers")
+    if cfg.parallel.tensor_parallel > 1:  # the tensor-parallel groups would have to re-form after every reset
+        raise UserError(f"config key 'parallel.tensor_parallel': elastic jobs do not support tensor parallelism "
+                        f"(got {cfg.parallel.tensor_parallel}); use 1, or a fixed number of workers")
 
 
 def stands_in_for_two(cfg: Config, world_size: int, largest_world: int) -> bool:

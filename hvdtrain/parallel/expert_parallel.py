@@ -34,7 +34,7 @@ from hvdtrain.checkpointing import checkpoint
 from hvdtrain.config import HorovodConfig
 from hvdtrain.errors import UserError
 from hvdtrain.parallel import distributed
-from hvdtrain.parallel.parallel_dims import ParallelDims
+from hvdtrain.parallel.parallel_dims import ParallelDims, add_process_sets
 
 try:  # as in distributed.py
     import horovod.torch as hvd
@@ -60,23 +60,14 @@ class ExpertGroups:
 def open_expert_groups(rank: int, world_size: int, e: int) -> ExpertGroups:
     """The process sets of parallel.expert_parallel = e, added by every rank in the same order
     (Horovod needs hvd.init(process_sets="dynamic")). A set of all ranks is Horovod's global one
-    (it refuses a second); a set of one rank is never reduced over, and not added."""
+    (it refuses a second); a set of one rank is never reduced over, and not added
+    (parallel_dims.add_process_sets)."""
     if world_size % e:
         raise UserError(f"config key 'parallel.expert_parallel': {e} does not divide the {world_size} workers")
     grid = ParallelDims((("copies", world_size // e), ("ep", e)))
-    mine, added = {}, []
-    for dim in ("ep", "copies"):
-        for ranks in grid.groups(dim):
-            if len(ranks) == world_size:
-                process_set = hvd.global_process_set
-            elif len(ranks) == 1:
-                process_set = None
-            else:
-                process_set = hvd.add_process_set(ranks)  # Horovod: add a process set (collective)
-                added.append(process_set)
-            if rank in ranks:
-                mine[dim] = process_set
-    return ExpertGroups(e, grid.coords(rank)["ep"], mine["ep"], mine["copies"], added)
+    group_set, added = add_process_sets(grid, "ep", rank)  # Horovod: process sets
+    same_experts_set, more = add_process_sets(grid, "copies", rank)
+    return ExpertGroups(e, grid.coords(rank)["ep"], group_set, same_experts_set, added + more)
 
 
 # ---------------------------------------------------------------- the experts' forward

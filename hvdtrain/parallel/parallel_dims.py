@@ -158,15 +158,8 @@ def open_groups(layout: Layout, backend: str) -> Groups:
     needed: rank 0 opens a TCP store on a port the OS picks and sends its address to the others
     with Horovod. The store's host is MASTER_ADDR if set, else the host name horovodrun gave
     rank 0 (HOROVOD_HOSTNAME), else this machine's name; other hosts must reach it by that name."""
-    world_size = hvd.size()
     grid, rank = layout.grid, layout.rank
-    # init_process_group installs an excepthook that writes "[rankN]: " before every line of a
-    # traceback; horovodrun already tags each line with its rank, and hvdtrain.launching.relay must see
-    # the traceback as the worker's Python printed it to show it.
-    excepthook = sys.excepthook
-    # torch.distributed: init over a store whose address comes by Horovod broadcast
-    dist.init_process_group(backend, store=_rendezvous_store(), rank=hvd.rank(), world_size=world_size)
-    sys.excepthook = excepthook
+    init_torch_distributed(backend)
     # dist.new_group and hvd.add_process_set are collective: every rank makes every group, same order.
     pipeline = tied = None
     for ranks in grid.groups("pp"):
@@ -178,10 +171,41 @@ def open_groups(layout: Layout, backend: str) -> Groups:
             group = dist.new_group([ranks[0], ranks[-1]])  # torch.distributed: new group (collective)
             if rank in (ranks[0], ranks[-1]):
                 tied = group
-    if layout.dp == world_size:  # Horovod rejects a second set equal to the world
+    if layout.dp == grid.world_size:  # Horovod rejects a second set equal to the world
         return Groups(pipeline, tied, hvd.global_process_set)
     added = [hvd.add_process_set(ranks) for ranks in grid.groups("dp")]  # Horovod: process sets
     return Groups(pipeline, tied, added[layout.stage], added)
+
+
+def init_torch_distributed(backend: str):
+    """Open torch.distributed inside horovodrun workers (its default group: every rank). No
+    launcher flags or MASTER_* variables are needed: see _rendezvous_store."""
+    # init_process_group installs an excepthook that writes "[rankN]: " before every line of a
+    # traceback; horovodrun already tags each line with its rank, and hvdtrain.launching.relay must see
+    # the traceback as the worker's Python printed it to show it.
+    excepthook = sys.excepthook
+    # torch.distributed: init over a store whose address comes by Horovod broadcast
+    dist.init_process_group(backend, store=_rendezvous_store(), rank=hvd.rank(), world_size=hvd.size())
+    sys.excepthook = excepthook
+
+
+def add_process_sets(grid: ParallelDims, dim: str, rank: int) -> tuple[object, list]:
+    """A Horovod process set for every group along `dim`, added by every rank in the same order
+    (Horovod needs hvd.init(process_sets="dynamic")): (this rank's set, the sets added). A set
+    of all ranks is Horovod's global one (it refuses a second); a set of one rank is never
+    reduced over, and not added (None)."""
+    mine, added = None, []
+    for ranks in grid.groups(dim):
+        if len(ranks) == grid.world_size:
+            process_set = hvd.global_process_set
+        elif len(ranks) == 1:
+            process_set = None
+        else:
+            process_set = hvd.add_process_set(ranks)  # Horovod: add a process set (collective)
+            added.append(process_set)
+        if rank in ranks:
+            mine = process_set
+    return mine, added
 
 
 def _rendezvous_store() -> dist.TCPStore:

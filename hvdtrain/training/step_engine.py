@@ -1,4 +1,4 @@
-"""One optimizer step's work on this worker, done one of four ways, chosen once at set-up.
+"""One optimizer step's work on this worker, done one of five ways, chosen once at set-up.
 
     PlainStep       the whole model on every worker; hvd.DistributedOptimizer allreduces the
                     gradients over all workers, started by its hooks during the last backward
@@ -7,6 +7,9 @@
     ExpertParallelStep  parallel.expert_parallel: as PlainStep, with each layer's experts split
                     over the ranks of an expert group (hvdtrain.parallel.expert_parallel); the
                     dense and the expert gradients allreduced during backward, over different ranks
+    TensorParallelStep  parallel.tensor_parallel: as PlainStep, with each layer's matrices split over
+                    the ranks of a tensor-parallel group (hvdtrain.parallel.tensor_parallel), which
+                    read the same samples; the gradients allreduced over the copies after backward
     PipelinedStep   this worker's pipeline stage (hvdtrain.parallel.pipeline): torch's schedule runs the
                     micro batches, Horovod reduces gradients among the copies of the stage only
                     (during the schedule's backward, or after it), the tied embedding is summed
@@ -34,7 +37,7 @@ from contextlib import nullcontext
 
 import torch
 
-from hvdtrain.parallel import distributed, expert_parallel, parallel_dims, pipeline
+from hvdtrain.parallel import distributed, expert_parallel, parallel_dims, pipeline, tensor_parallel
 from hvdtrain.parallel.distributed import hvd
 from hvdtrain.parallel.sharded_weights import ShardedWeights
 from hvdtrain.config import Config, HorovodConfig
@@ -227,6 +230,50 @@ class ExpertParallelStep(PlainStep):
         self.groups.close()  # Horovod: remove the process sets (collective)
 
 
+class TensorParallelStep(PlainStep):
+    """parallel.tensor_parallel: each layer's matrices split over the t ranks of a
+    tensor-parallel group, which read the same samples (hvdtrain.parallel.tensor_parallel).
+    `optimizer` is a plain one over the model's parameters, DTensors where split: after
+    backward the gradients are allreduced over the copies holding the same slices; the norm
+    counts each slice once. The loss sum is the group's first rank's (every rank of a group
+    computes the same one)."""
+
+    def __init__(self, *args, groups, horovod: HorovodConfig):
+        super().__init__(*args)
+        self.groups, self.horovod = groups, horovod
+        self.stages = groups.size  # the ranks of a group read the same samples (distributed.StepTotals)
+
+    def forward_backward(self, micro_batches, timer):
+        sums = super().forward_backward(micro_batches, timer)
+        return sums if self.groups.rank == 0 else torch.zeros_like(sums)
+
+    def reduce_gradients(self):
+        # Horovod: grouped allreduce of the local gradients over the copies
+        tensor_parallel.reduce_gradients(self.model, self.groups, self.horovod)
+
+    def normalize(self, global_targets):
+        grads = [tensor_parallel.local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        self.normalizer.finish(grads, global_targets)
+
+    def clip_gradients(self, max_norm):
+        self.scaler.unscale_(self.optimizer)
+        # torch.distributed: allreduce of the squared norms of the group's slices
+        return tensor_parallel.clip_grad_norm_(self.model, self.groups, max_norm)
+
+    def stepping(self):
+        return nullcontext()  # a plain optimizer: nothing to hold back
+
+    # evaluate: PlainStep's. The ranks of a group evaluate the same batches (their forwards sum
+    # over the group); their loss and target sums are each counted t times, so the mean is right.
+
+    def describe(self):
+        return {"tensor_parallel": f"each layer's matrices split over {self.groups.size} workers, gradients "
+                                   f"reduced over {self.groups.dp} copies"}
+
+    def close(self):
+        self.groups.close()  # Horovod and torch.distributed: remove the process sets and groups
+
+
 class PipelinedStep(PlainStep):
     """This worker's pipeline stage (`model`, a pipeline.StageModule). `optimizer` is Horovod's
     DistributedOptimizer over the copies of the stage, or (`reduce_after`) a plain one whose
@@ -396,17 +443,20 @@ class ShardedStep(PlainStep):
 
 def build_engine(cfg: Config, device, model, optimizer, scaler, grad_accum: int, shards: int, layout=None,
                  groups=None, reduce_after: bool = False, stand_in: bool = False,
-                 expert_groups=None) -> PlainStep:
+                 expert_groups=None, tensor_groups=None) -> PlainStep:
     """The step engine of this run: pipelined when `layout` is given (then `groups` too), and
     sharded around it with parallel.shard (`optimizer` then a ShardedOptimizer); with
-    `expert_groups` (parallel.expert_parallel) the experts split.
+    `expert_groups` (parallel.expert_parallel) the experts split, with `tensor_groups`
+    (parallel.tensor_parallel) the layers.
     `stand_in`: one worker standing in for the two of an elastic job (StandInStep)."""
     t = cfg.train
     normalizer = distributed.TokenNormalizer(cfg.horovod.op, shards, t.micro_batch_size * grad_accum * cfg.data.seq_len)
     autocast = autocast_for(device, t.precision)
     if layout is None:
         args = (model, optimizer, scaler, normalizer, autocast, device)
-        if expert_groups is not None:
+        if tensor_groups is not None:
+            engine = TensorParallelStep(*args, groups=tensor_groups, horovod=cfg.horovod)
+        elif expert_groups is not None:
             engine = ExpertParallelStep(*args, groups=expert_groups, horovod=cfg.horovod,
                                         micro_batch_shape=(t.micro_batch_size, cfg.data.seq_len), grad_accum=grad_accum)
         else:

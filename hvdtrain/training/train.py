@@ -31,7 +31,7 @@ import torch
 import yaml
 
 from hvdtrain.checkpointing import checkpoint
-from hvdtrain.parallel import distributed, expert_parallel, layer_costs, parallel_dims, pipeline
+from hvdtrain.parallel import distributed, expert_parallel, layer_costs, parallel_dims, pipeline, tensor_parallel
 from hvdtrain.observe import metrics
 from hvdtrain.config import Config, last_step_of_run, resolve_batch
 from hvdtrain.data import DataBundle, build_data
@@ -39,7 +39,7 @@ from hvdtrain.errors import UserError
 from hvdtrain.checkpointing.export import export_checkpoint
 from hvdtrain.optim.lr_schedule import lr_multiplier
 from hvdtrain.models import family_of
-from hvdtrain.models.common import apply_speedups, keep_generation_config, model_blueprint, statistics_record
+from hvdtrain.models.common import apply_speedups, keep_generation_config, model_blueprint, statistics_record, transformer_blocks
 from hvdtrain.models.ties import tie_aliases
 from hvdtrain.optim.optimizers import build_optimizer
 from hvdtrain.paths import check_writable_folder
@@ -201,10 +201,10 @@ def pipeline_bounds(cfg: Config, data: DataBundle, world, layout, grad_accum: in
 
 def build_model_and_optimizer(cfg: Config, data: DataBundle, device, grad_accum: int, shards: int,
                               layout=None, groups=None, shard: int = 0, bounds: list[int] | None = None,
-                              expert_groups=None):
+                              expert_groups=None, tensor_groups=None):
     """The model (or this worker's stage of it, cut by `bounds`; with `expert_groups` this
-    rank's experts only), its optimizer (Horovod's, unless the pipeline reduces after its run
-    or the experts are split; sharded over the `shards` copies with parallel.shard, this being
+    rank's experts only, with `tensor_groups` this rank's slices of each layer), its optimizer
+    (Horovod's, unless the pipeline reduces after its run or the experts or layers are split; sharded over the `shards` copies with parallel.shard, this being
     copy `shard`) and grad scaler; the same seed on every rank.
     Returns them with the whole model's tied parameter names and whether gradients are reduced
     after the pipeline."""
@@ -219,6 +219,9 @@ def build_model_and_optimizer(cfg: Config, data: DataBundle, device, grad_accum:
     if expert_groups is not None:  # every rank made every expert alike; this rank's are kept
         expert_parallel.split_experts(model, family_of(model).modeling().PARTS.is_experts, expert_groups)
     model.to(device)
+    if tensor_groups is not None:  # every rank made whole layers alike; this rank's slices are kept
+        tensor_parallel.parallelize(model, transformer_blocks(model), family_of(model).modeling().PARTS.tensor_plan,
+                                    tensor_groups)
     model.train()
     peak_lr = t.lr * distributed.lr_scale(t.lr_scaling, shards)
     # The copies of a stage reduce gradients during backward (Horovod's hooks), or after the
@@ -233,7 +236,7 @@ def build_model_and_optimizer(cfg: Config, data: DataBundle, device, grad_accum:
                                      not_counted=pipeline.tied_parameters(model).values() if tied_copy else ())
     else:
         optimizer = build_optimizer(model, t, peak_lr, device)
-        if not reduce_after and expert_groups is None:  # split experts: reduced after backward
+        if not reduce_after and expert_groups is None and tensor_groups is None:  # split: reduced after backward
             # Horovod: DistributedOptimizer, allreduce of gradients from backward hooks
             optimizer = distributed.wrap_optimizer(optimizer, model, cfg.horovod, grad_accum,
                                                    groups.process_set if groups else None)
@@ -255,6 +258,11 @@ def set_up(cfg: Config) -> Setup:
     # Split experts: each rank of an expert group holds 1/e of every layer's experts
     expert_groups = (expert_parallel.open_expert_groups(world.rank, world.size, par.expert_parallel)
                      if par.expert_parallel > 1 else None)  # Horovod: process sets, made by every rank
+    # Split layers: the t ranks of a tensor-parallel group read the same samples
+    tensor_groups = (tensor_parallel.open_tensor_groups(world.rank, world.size, par.tensor_parallel, world.device)
+                     if par.tensor_parallel > 1 else None)  # torch.distributed groups, Horovod process sets
+    if tensor_groups is not None:
+        shard, shards = tensor_groups.dp_rank, tensor_groups.dp
 
     # ---- set-up 2. data, checked on every rank
     data = check_data(cfg, world, shards, global_batch, grad_accum)
@@ -269,12 +277,12 @@ def set_up(cfg: Config) -> Setup:
         groups = parallel_dims.open_groups(layout, "nccl" if world.device.type == "cuda" else "gloo")
     bounds = pipeline_bounds(cfg, data, world, layout, grad_accum)
     model, optimizer, scaler, aliases, peak_lr, reduce_after = build_model_and_optimizer(
-        cfg, data, world.device, grad_accum, shards, layout, groups, shard, bounds, expert_groups)
-    state = TrainingState(model, optimizer, scaler, world, cfg, layout, aliases, expert_groups)
+        cfg, data, world.device, grad_accum, shards, layout, groups, shard, bounds, expert_groups, tensor_groups)
+    state = TrainingState(model, optimizer, scaler, world, cfg, layout, aliases, expert_groups, tensor_groups)
     state.load_and_share(resume_from)  # Horovod: broadcast from rank 0 (with stages: each reads its part)
     # The step engine, chosen once: plain, or pipelined (torch's schedule over this stage)
     engine = build_engine(cfg, world.device, model, optimizer, scaler, grad_accum, shards, layout, groups, reduce_after,
-                          expert_groups=expert_groups)
+                          expert_groups=expert_groups, tensor_groups=tensor_groups)
     return Setup(world, data, model, optimizer, scaler, state, grad_accum, global_batch, peak_lr, shard, shards,
                  engine, layout, resume_from)
 

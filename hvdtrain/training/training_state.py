@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 
 from hvdtrain.checkpointing import checkpoint
-from hvdtrain.parallel import distributed, expert_parallel
+from hvdtrain.parallel import distributed, expert_parallel, tensor_parallel
 from hvdtrain.training import rng
 from hvdtrain.config import Config
 from hvdtrain.errors import UserError
@@ -106,11 +106,16 @@ class TrainingState:
     sharded optimizer (hvdtrain.parallel.sharded_optimizer) every worker reads and writes its own slices.
     `aliases`: the whole model's tied parameter names (tie_aliases). With split experts
     (`expert_groups`: hvdtrain.parallel.expert_parallel) every worker reads its experts' rows
-    and the ranks of the first expert group write them."""
+    and the ranks of the first expert group write them. With split layers (`tensor_groups`:
+    hvdtrain.parallel.tensor_parallel) every worker reads the whole tensors and keeps its
+    slices; the first copy's ranks gather them whole and its first rank writes them. The ranks of
+    a tensor-parallel group draw the same random numbers (dropout of the whole activations)."""
 
-    def __init__(self, model, optimizer, scaler, world, cfg: Config, layout=None, aliases=None, expert_groups=None):
+    def __init__(self, model, optimizer, scaler, world, cfg: Config, layout=None, aliases=None, expert_groups=None,
+                 tensor_groups=None):
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.world, self.cfg, self.layout, self.expert_groups = world, cfg, layout, expert_groups
+        self.tensor_groups = tensor_groups
         self.aliases = aliases if aliases is not None else tie_aliases(model)
         self.sharded = isinstance(optimizer, ShardedOptimizer)
         self.step = 0
@@ -122,18 +127,20 @@ class TrainingState:
         part, or its slices (the copies start equal anyway: the same seed, the same files). (An
         elastic job's rollback to its in-memory commit is local: hvdtrain.parallel.elastic.ElasticState.restore.)"""
         saved = None
-        every_rank_reads = self.layout is not None or self.sharded or self.expert_groups is not None
+        every_rank_reads = (self.layout is not None or self.sharded or self.expert_groups is not None
+                            or self.tensor_groups is not None)
         part = (checkpoint.whole if self.expert_groups is None else expert_parallel.local_rows(
             self.model, expert_parallel.expert_weight_names(self.model), self.expert_groups))
+        place = checkpoint.as_saved if self.tensor_groups is None else tensor_parallel.placed(self.model)
         if path is not None and (self.world.is_main or every_rank_reads):
             # parallel.shard=full: the weights are the master slices (the optimizer's load); the
             # model holds no values to load, and its buffers are its constructors'
             if not (self.sharded and self.optimizer.level == "full"):
-                checkpoint.load_weights(self.model, path, self.aliases, part)
+                checkpoint.load_weights(self.model, path, self.aliases, part, place)
             if self.sharded:
                 self.optimizer.load(path, self.aliases)
             else:
-                checkpoint.load_optimizer(self.optimizer, self.model, path, self.aliases, part)
+                checkpoint.load_optimizer(self.optimizer, self.model, path, self.aliases, part, place)
         if path is not None and self.world.is_main:
             saved = checkpoint.read_state(path)
             saved["rngs"] = checkpoint.read_rngs(path, saved["world_size"])
@@ -142,8 +149,10 @@ class TrainingState:
             distributed.broadcast_state(self.model, self.optimizer, resumed=path is not None)
         saved = distributed.broadcast_object(saved, name="training_state")  # Horovod: broadcast from rank 0
         seed, rank = self.cfg.train.seed, self.world.rank
+        # the random streams: one per rank, or per tensor-parallel group (its ranks drop alike)
+        stream = rank if self.tensor_groups is None else self.tensor_groups.dp_rank
         if saved is None:
-            rng.reseed_for_training(seed, rank, 0)
+            rng.reseed_for_training(seed, stream, 0)
             return
         self.step, self.position = saved["step"], saved["position"]
         if saved["scaler"] and self.scaler.is_enabled():  # the same loss scale on every rank
@@ -151,7 +160,7 @@ class TrainingState:
         if saved["world_size"] == self.world.size:
             rng.restore(saved["rngs"][rank])
         else:  # another world size: no rank's stream continues, derive new ones
-            rng.reseed_for_training(seed, rank, self.step)
+            rng.reseed_for_training(seed, stream, self.step)
 
     def save(self):
         """Write a checkpoint of the current step; collective (every rank gives its RNG state,
@@ -162,6 +171,12 @@ class TrainingState:
         tmp = distributed.broadcast_object(tmp, name="checkpoint_folder")  # Horovod: broadcast from rank 0
         if self.sharded:  # every worker: its slices
             part = self.optimizer.write_part(tmp, self.world.rank, self.world.size)
+        elif self.tensor_groups is not None:  # the first copy gathers the whole tensors, its first rank writes
+            part = {}
+            if self.tensor_groups.dp_rank == 0:  # torch.distributed: allgather of each split tensor over the group
+                weights, state = tensor_parallel.whole_state(self.model, self.optimizer)
+                if self.world.is_main:
+                    part = checkpoint.write_slices(tmp, 0, 1, weights, state)
         elif self.expert_groups is not None:  # the first expert group: its experts' rows (its rank 0: the rest)
             writer = self.world.rank < self.expert_groups.size
             part = (expert_parallel.write_part(tmp, self.model, self.optimizer,

@@ -31,4 +31,7 @@ def _final_norm(stage, hidden):
 
 
 PARTS = ModelParts(body="bert", masked_head="cls.predictions.transform", layers="bert.encoder.layer",
-                   first_only=("bert.embeddings",), last_only=("cls",), embed=_embed, final_norm=_final_norm)
+                   first_only=("bert.embeddings",), last_only=("cls",), embed=_embed, final_norm=_final_norm,
+                   tensor_plan={"attention.self.query": "colwise", "attention.self.key": "colwise",
+                                "attention.self.value": "colwise", "attention.output.dense": "rowwise",
+                                "intermediate.dense": "colwise", "output.dense": "rowwise"})

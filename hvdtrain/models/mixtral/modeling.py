@@ -242,4 +242,4 @@ def is_experts(module: torch.nn.Module) -> bool:
 PARTS = ModelParts(**{**LLAMA_PARTS.__dict__, "body_options": {"output_router_logits": True},
                       "auxiliary_loss": routing_loss, "statistics_record": routing_record, "is_experts": is_experts,
                       "stage_carry": stage_routing, "carried_loss": routing_loss_of,
-                      "statistics_size": statistics_size})
+                      "statistics_size": statistics_size, "tensor_plan": None})

@@ -1,0 +1,73 @@
+"""Tensor parallelism (parallel.tensor_parallel = t): each layer's attention and MLP matrices split
+over t ranks with torch.distributed.tensor.parallel, through real horovodrun workers (Gloo, fp32,
+dropout 0, clipping active). t=2 trains as one worker does (Llama with grouped-query attention,
+BERT); t=2 x 2 copies (4 workers) too; each rank holds its slices of the one-worker model; a
+checkpoint written at t=2 resumes at t=1 and one written at t=1 at t=2; the export is the whole
+model. (Bad input: test_errors.)"""
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import assert_same_losses, assert_same_params, load_params, read_metrics, step_losses, train_workers
+
+pytestmark = pytest.mark.workers
+
+LLAMA = {"model": {"arch": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "d_model": 32, "d_ff": 64},
+         "train": {"global_batch_size": 8, "max_steps": 8, "grad_clip": 0.5}, "checkpoint": {"every": 2}}
+BERT = {"model": {"arch": "bert", "n_layer": 2, "n_head": 2, "d_model": 32},
+        "train": {"global_batch_size": 8, "max_steps": 8, "grad_clip": 0.5}}
+
+
+def exported(run) -> dict:
+    return load_file(str(run / "hf" / "model.safetensors"))
+
+
+def assert_trains_as_one_worker(one, split, atol=1e-5):
+    assert_same_losses(step_losses(one), step_losses(split), min_steps=8)
+    for a, b in zip(read_metrics(one)[0], read_metrics(split)[0]):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4) and a["grad_norm"] > 0.5  # clipped
+    assert_same_params(exported(one), exported(split), atol=atol)
+
+
+@pytest.mark.parametrize("family", [LLAMA, BERT], ids=["llama", "bert"])
+def test_two_slices_train_as_one_worker(tmp_path, tiny_config, family):
+    """np=1 against np=2 with t=2: per-step losses, gradient norms (clipped) and the exported
+    weights agree; each rank holds its half of every split weight: column-wise the rows,
+    row-wise the columns."""
+    config = tiny_config(family)
+    one, split = tmp_path / "np1", tmp_path / "t2"
+    train_workers(1, config, f"out_dir={one}")
+    train_workers(2, config, f"out_dir={split}", "parallel.tensor_parallel=2")
+    assert_trains_as_one_worker(one, split)
+    if family is LLAMA:
+        whole = load_params(one, 0)
+        for rank in (0, 1):
+            mine = load_params(split, rank)
+            up, down = "model.layers.1.mlp.up_proj.weight", "model.layers.1.mlp.down_proj.weight"
+            torch.testing.assert_close(mine[up], whole[up][32 * rank:32 * (rank + 1)], rtol=0, atol=1e-5)
+            torch.testing.assert_close(mine[down], whole[down][:, 32 * rank:32 * (rank + 1)], rtol=0, atol=1e-5)
+
+
+def test_two_slices_by_two_copies_train_as_one_worker(tmp_path, tiny_config):
+    """4 workers, t=2 x 2 data-parallel copies: ranks 0 and 2 (1 and 3) hold the same slices and
+    reduce their gradients in a process set of their own; the losses and export are one worker's."""
+    config = tiny_config(LLAMA)
+    one, split = tmp_path / "np1", tmp_path / "t2np4"
+    train_workers(1, config, f"out_dir={one}")
+    train_workers(4, config, f"out_dir={split}", "parallel.tensor_parallel=2", timeout=600)
+    assert_trains_as_one_worker(one, split)
+    assert_same_params(load_params(split, 0), load_params(split, 2))
+    assert_same_params(load_params(split, 1), load_params(split, 3))
+
+
+def test_a_checkpoint_resumes_at_another_tensor_parallel_size(tmp_path, tiny_config):
+    """2 workers: stop at step 4 with t=2, go on to 6 with t=1, then to 8 with t=2 again: the
+    same losses and weights as a straight t=1 run on 2 workers."""
+    config = tiny_config(LLAMA)
+    straight, moved = tmp_path / "straight", tmp_path / "moved"
+    train_workers(2, config, f"out_dir={straight}")
+    train_workers(2, config, f"out_dir={moved}", "parallel.tensor_parallel=2", "train.stop_at_step=4")
+    train_workers(2, config, f"out_dir={moved}", "train.stop_at_step=6")
+    train_workers(2, config, f"out_dir={moved}", "parallel.tensor_parallel=2")
+    assert_same_losses(step_losses(straight), step_losses(moved), min_steps=8)
+    assert_same_params(exported(straight), exported(moved), atol=1e-5)
