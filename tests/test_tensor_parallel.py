@@ -14,6 +14,7 @@ pytestmark = pytest.mark.workers
 
 LLAMA = {"model": {"arch": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "d_model": 32, "d_ff": 64},
          "train": {"global_batch_size": 8, "max_steps": 8, "grad_clip": 0.5}, "checkpoint": {"every": 2}}
+GPT2 = {"train": {"global_batch_size": 8, "max_steps": 8, "grad_clip": 0.5}}  # tests' TINY: 2 heads
 BERT = {"model": {"arch": "bert", "n_layer": 2, "n_head": 2, "d_model": 32},
         "train": {"global_batch_size": 8, "max_steps": 8, "grad_clip": 0.5}}
 
@@ -22,23 +23,37 @@ def exported(run) -> dict:
     return load_file(str(run / "hf" / "model.safetensors"))
 
 
-def assert_trains_as_one_worker(one, split, atol=1e-5):
+def assert_trains_as_one_worker(one, split):
+    """The same per-step losses and gradient norms (clipped), and the same exported weights
+    within 1e-5; GPT-2's attention bias within 1e-4: its key part gets no gradient in exact
+    arithmetic (softmax ignores what it adds to every score of a query), so AdamW's steps there
+    are the two computations' rounding, divided by its own square root (1.6e-5 seen)."""
     assert_same_losses(step_losses(one), step_losses(split), min_steps=8)
     for a, b in zip(read_metrics(one)[0], read_metrics(split)[0]):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4) and a["grad_norm"] > 0.5  # clipped
-    assert_same_params(exported(one), exported(split), atol=atol)
+    whole, joined = exported(one), exported(split)
+    assert whole.keys() == joined.keys()
+    for name in whole:
+        atol = 1e-4 if name.endswith("attn.c_attn.bias") else 1e-5
+        torch.testing.assert_close(joined[name], whole[name], rtol=0, atol=atol, msg=name)
 
 
-@pytest.mark.parametrize("family", [LLAMA, BERT], ids=["llama", "bert"])
+@pytest.mark.parametrize("family", [GPT2, LLAMA, BERT], ids=["gpt2", "llama", "bert"])
 def test_two_slices_train_as_one_worker(tmp_path, tiny_config, family):
     """np=1 against np=2 with t=2: per-step losses, gradient norms (clipped) and the exported
-    weights agree; each rank holds its half of every split weight: column-wise the rows,
-    row-wise the columns."""
+    weights agree (GPT-2's: transformers loads the export and gives the one worker's logits);
+    each rank holds its half of every split weight: column-wise the rows, row-wise the columns."""
     config = tiny_config(family)
     one, split = tmp_path / "np1", tmp_path / "t2"
     train_workers(1, config, f"out_dir={one}")
     train_workers(2, config, f"out_dir={split}", "parallel.tensor_parallel=2")
     assert_trains_as_one_worker(one, split)
+    if family is GPT2:  # c_attn saved as transformers keeps it: query, key, value side by side, [in, out]
+        from transformers import AutoModelForCausalLM
+        ids = torch.arange(16).reshape(1, 16)
+        with torch.no_grad():
+            logits = [AutoModelForCausalLM.from_pretrained(run / "hf").eval()(ids).logits for run in (one, split)]
+        torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-4)
     if family is LLAMA:
         whole = load_params(one, 0)
         for rank in (0, 1):

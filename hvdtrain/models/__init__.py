@@ -130,6 +130,23 @@ def no_layer_inputs(stage, hidden) -> Callable:
 
 
 @dataclass(frozen=True)
+class TensorPlan:
+    """How parallel.tensor_parallel splits one layer of a family (hvdtrain.parallel.tensor_parallel);
+    paths are within the layer."""
+    # each split linear layer: "colwise" (its outputs split: query, key, value, up projections)
+    # or "rowwise" (its inputs: the projections back to d_model)
+    styles: dict
+    # a colwise layer whose outputs join several blocks (GPT-2's c_attn: query, key, value: 3):
+    # its rows are reordered so that each rank's slice holds its part of every block
+    fused: dict = field(default_factory=dict)
+    # transformers' Conv1D layers (GPT-2: weights stored [in, out]), made nn.Linear to be split
+    conv1d: tuple = ()
+    # attributes ("path.name") that count a layer's outputs, divided by t on each rank (GPT-2's
+    # attn.split_size: where c_attn's outputs are cut into query, key and value)
+    per_rank: tuple = ()
+
+
+@dataclass(frozen=True)
 class ModelParts:
     """Where a family's model keeps its parts, and how a pipeline stage
     (hvdtrain.parallel.pipeline.StageModule) is cut from it: the module paths it keeps or drops
@@ -170,8 +187,5 @@ class ModelParts:
     stage_carry: Optional[Callable] = None
     carried_loss: Optional[Callable] = None
     statistics_size: Callable = lambda config: 0
-    # parallel.tensor_parallel (hvdtrain.parallel.tensor_parallel): each linear layer of a layer
-    # that is split, by its path within the layer: "colwise" (its outputs split: query, key,
-    # value, up projections) or "rowwise" (its inputs: the projections back to d_model); None:
-    # the family is not split yet.
-    tensor_plan: Optional[dict] = None
+    # How parallel.tensor_parallel splits each layer (TensorPlan); None: the family is not split yet.
+    tensor_plan: Optional["TensorPlan"] = None

@@ -36,6 +36,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from hvdtrain.checkpointing import checkpoint
 from hvdtrain.errors import UserError
+from hvdtrain.models import family_of
+from hvdtrain.models.common import transformer_blocks
 from hvdtrain.parallel import distributed, parallel_dims
 from hvdtrain.parallel.parallel_dims import ParallelDims
 
@@ -100,18 +102,82 @@ def check_divisible(config, t: int):
                             f"each rank holds {key} / t heads")
 
 
-def parallelize(model: torch.nn.Module, layers: torch.nn.ModuleList, plan: dict[str, str], groups: TensorGroups):
-    """Split each of `layers` (the model's, with its weights) over the group: `plan` maps a
-    linear layer's path within a layer to "colwise" or "rowwise" (ModelParts.tensor_plan)."""
-    check_divisible(model.config, groups.size)
-    for layer in layers:
-        for path in plan:
-            features = layer.get_submodule(path).weight.shape[0 if plan[path] == "colwise" else 1]
-            if features % groups.size:
-                raise UserError(f"config key 'parallel.tensor_parallel': {groups.size} does not divide the "
+def parallelize(model: torch.nn.Module, groups: TensorGroups):
+    """Split each layer of `model` (with its weights) over the group, as its family's
+    TensorPlan says: Conv1D layers made nn.Linear, fused outputs reordered (saved_forms), the
+    per-rank counts divided, then torch's ColwiseParallel / RowwiseParallel."""
+    plan, t = family_of(model).modeling().PARTS.tensor_plan, groups.size
+    check_divisible(model.config, t)
+    for layer in transformer_blocks(model):
+        for path in plan.conv1d:
+            _as_linear(layer, path)
+        for path, blocks in plan.fused.items():
+            with torch.no_grad():
+                for param in layer.get_submodule(path).parameters():
+                    param.copy_(param[fused_order(param.shape[0], blocks, t)])
+        for dotted in plan.per_rank:
+            path, name = dotted.rsplit(".", 1)
+            owner = layer.get_submodule(path)
+            setattr(owner, name, getattr(owner, name) // t)
+        for path, style in plan.styles.items():
+            features = layer.get_submodule(path).weight.shape[0 if style == "colwise" else 1]
+            if features % t:
+                raise UserError(f"config key 'parallel.tensor_parallel': {t} does not divide the "
                                 f"{features} features that {path} splits")
         # torch.distributed.tensor.parallel: the weights become DTensors sharded over the mesh
-        parallelize_module(layer, groups.mesh, {path: STYLES[style]() for path, style in plan.items()})
+        parallelize_module(layer, groups.mesh, {path: STYLES[style]() for path, style in plan.styles.items()})
+
+
+def _as_linear(layer: torch.nn.Module, path: str):
+    """transformers' Conv1D at `path` (y = x W + b, W stored [in, out]) as the nn.Linear it
+    computes (W stored [out, in]), which torch's parallel styles split."""
+    conv = layer.get_submodule(path)
+    linear = torch.nn.Linear(*conv.weight.shape, bias=conv.bias is not None, device=conv.weight.device,
+                             dtype=conv.weight.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(conv.weight.T)
+        if conv.bias is not None:
+            linear.bias.copy_(conv.bias)
+    parent, name = path.rsplit(".", 1)
+    setattr(layer.get_submodule(parent), name, linear)
+
+
+def fused_order(rows: int, blocks: int, t: int) -> torch.Tensor:
+    """The order of a fused colwise layer's rows in training: rank 0's part of every block
+    (block 0's rows 0 .. rows/(blocks·t) - 1, then block 1's, ...), then rank 1's, ...; so each
+    rank's contiguous slice holds its heads of query, key and value."""
+    size = rows // blocks
+    part = size // t
+    return torch.tensor([b * size + r * part + i for r in range(t) for b in range(blocks) for i in range(part)])
+
+
+def saved_forms(model: torch.nn.Module, t: int) -> dict[str, tuple[int, bool]]:
+    """The split parameters whose training form differs from their saved one (a checkpoint
+    and a Hugging Face folder hold transformers' layout): name -> (fused blocks, whether a
+    Conv1D's weight, saved transposed)."""
+    parts = family_of(model).modeling().PARTS
+    plan, forms = parts.tensor_plan, {}
+    for i in range(len(transformer_blocks(model))):
+        for path in set(plan.fused) | set(plan.conv1d):
+            prefix = f"{parts.layers}.{i}.{path}"
+            forms[f"{prefix}.weight"] = (plan.fused.get(path, 1), path in plan.conv1d)
+            forms[f"{prefix}.bias"] = (plan.fused.get(path, 1), False)
+    return forms
+
+
+def to_saved(tensor: torch.Tensor, form: tuple[int, bool], t: int) -> torch.Tensor:
+    """A whole tensor in training form, in the saved one (saved_forms)."""
+    blocks, transposed = form
+    if blocks > 1:
+        tensor = tensor[torch.argsort(fused_order(tensor.shape[0], blocks, t))]
+    return tensor.T.contiguous() if transposed else tensor
+
+
+def from_saved(tensor: torch.Tensor, form: tuple[int, bool], t: int) -> torch.Tensor:
+    """A whole saved tensor in training form (the inverse of to_saved)."""
+    blocks, transposed = form
+    tensor = tensor.T if transposed else tensor
+    return tensor[fused_order(tensor.shape[0], blocks, t)] if blocks > 1 else tensor.contiguous()
 
 
 def is_split(tensor: torch.Tensor) -> bool:
@@ -160,27 +226,38 @@ def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def whole_state(model, optimizer) -> tuple[dict, dict]:
-    """(weights, optimizer state) by name, whole (every rank of the group calls this, in the
-    same order); a tied weight once, under its first name (a resume finds it by the others)."""
+def whole_state(model, optimizer, groups: TensorGroups) -> tuple[dict, dict]:
+    """(weights, optimizer state) by name, whole and in the saved form (every rank of the group
+    calls this, in the same order); a tied weight once, under its first name (a resume finds it
+    by the others)."""
+    forms, t = saved_forms(model, groups.size), groups.size
+
+    def saved(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = whole_tensor(tensor)
+        return to_saved(tensor, forms[name], t) if name in forms and tensor.dim() else tensor
+
     weights, seen = {}, set()
     for name, tensor in model.state_dict().items():
         if local(tensor).data_ptr() not in seen:
             seen.add(local(tensor).data_ptr())
-            weights[name] = whole_tensor(tensor)
-    return weights, checkpoint.optimizer_tensors(optimizer, model, whole_tensor)
+            weights[name] = saved(name, tensor)
+    state = {key: saved(key.split("::", 1)[0], value)
+             for key, value in checkpoint.optimizer_tensors(optimizer, model, whole_tensor).items()}
+    return weights, state
 
 
-def placed(model):
+def placed(model, groups: TensorGroups):
     """A checkpoint.load_weights / load_optimizer `place` for `model`: a whole saved tensor of a
-    split parameter (or of its optimizer state, of the same shape) becomes a DTensor of the
-    parameter's placements, each rank keeping its slice."""
-    params = dict(model.named_parameters())
+    split parameter (or of its optimizer state, of the same size) becomes a DTensor of the
+    parameter's placements, in training form, each rank keeping its slice."""
+    params, forms = dict(model.named_parameters()), saved_forms(model, groups.size)
 
     def place(name: str, tensor: torch.Tensor) -> torch.Tensor:
         param = params.get(name)
-        if not isinstance(param, DTensor) or tuple(tensor.shape) != tuple(param.shape):
+        if not isinstance(param, DTensor) or tensor.numel() != param.numel() or not tensor.dim():
             return tensor
+        if name in forms:
+            tensor = from_saved(tensor, forms[name], groups.size)
         # every rank read the same whole tensor: each keeps its slice, nothing is sent
         return distribute_tensor(tensor.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
 

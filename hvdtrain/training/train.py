@@ -39,7 +39,7 @@ from hvdtrain.errors import UserError
 from hvdtrain.checkpointing.export import export_checkpoint
 from hvdtrain.optim.lr_schedule import lr_multiplier
 from hvdtrain.models import family_of
-from hvdtrain.models.common import apply_speedups, keep_generation_config, model_blueprint, statistics_record, transformer_blocks
+from hvdtrain.models.common import apply_speedups, keep_generation_config, model_blueprint, statistics_record
 from hvdtrain.models.ties import tie_aliases
 from hvdtrain.optim.optimizers import build_optimizer
 from hvdtrain.paths import check_writable_folder
@@ -220,8 +220,7 @@ def build_model_and_optimizer(cfg: Config, data: DataBundle, device, grad_accum:
         expert_parallel.split_experts(model, family_of(model).modeling().PARTS.is_experts, expert_groups)
     model.to(device)
     if tensor_groups is not None:  # every rank made whole layers alike; this rank's slices are kept
-        tensor_parallel.parallelize(model, transformer_blocks(model), family_of(model).modeling().PARTS.tensor_plan,
-                                    tensor_groups)
+        tensor_parallel.parallelize(model, tensor_groups)
     model.train()
     peak_lr = t.lr * distributed.lr_scale(t.lr_scaling, shards)
     # The copies of a stage reduce gradients during backward (Horovod's hooks), or after the

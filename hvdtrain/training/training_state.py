@@ -131,7 +131,7 @@ class TrainingState:
                             or self.tensor_groups is not None)
         part = (checkpoint.whole if self.expert_groups is None else expert_parallel.local_rows(
             self.model, expert_parallel.expert_weight_names(self.model), self.expert_groups))
-        place = checkpoint.as_saved if self.tensor_groups is None else tensor_parallel.placed(self.model)
+        place = checkpoint.as_saved if self.tensor_groups is None else tensor_parallel.placed(self.model, self.tensor_groups)
         if path is not None and (self.world.is_main or every_rank_reads):
             # parallel.shard=full: the weights are the master slices (the optimizer's load); the
             # model holds no values to load, and its buffers are its constructors'
@@ -174,7 +174,7 @@ class TrainingState:
         elif self.tensor_groups is not None:  # the first copy gathers the whole tensors, its first rank writes
             part = {}
             if self.tensor_groups.dp_rank == 0:  # torch.distributed: allgather of each split tensor over the group
-                weights, state = tensor_parallel.whole_state(self.model, self.optimizer)
+                weights, state = tensor_parallel.whole_state(self.model, self.optimizer, self.tensor_groups)
                 if self.world.is_main:
                     part = checkpoint.write_slices(tmp, 0, 1, weights, state)
         elif self.expert_groups is not None:  # the first expert group: its experts' rows (its rank 0: the rest)

@@ -5,7 +5,7 @@ from typing import Callable
 import torch
 
 from hvdtrain.config import ModelConfig
-from hvdtrain.models import ModelParts
+from hvdtrain.models import ModelParts, TensorPlan
 
 
 def model_maker(cfg: ModelConfig, vocab, rows: int, positions: int, d_ff: int) -> Callable[[], torch.nn.Module]:
@@ -32,6 +32,6 @@ def _final_norm(stage, hidden):
 
 PARTS = ModelParts(body="bert", masked_head="cls.predictions.transform", layers="bert.encoder.layer",
                    first_only=("bert.embeddings",), last_only=("cls",), embed=_embed, final_norm=_final_norm,
-                   tensor_plan={"attention.self.query": "colwise", "attention.self.key": "colwise",
-                                "attention.self.value": "colwise", "attention.output.dense": "rowwise",
-                                "intermediate.dense": "colwise", "output.dense": "rowwise"})
+                   tensor_plan=TensorPlan({"attention.self.query": "colwise", "attention.self.key": "colwise",
+                                           "attention.self.value": "colwise", "attention.output.dense": "rowwise",
+                                           "intermediate.dense": "colwise", "output.dense": "rowwise"}))

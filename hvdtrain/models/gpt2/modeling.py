@@ -5,7 +5,7 @@ from typing import Callable
 import torch
 
 from hvdtrain.config import ModelConfig
-from hvdtrain.models import ModelParts
+from hvdtrain.models import ModelParts, TensorPlan
 
 
 def model_maker(cfg: ModelConfig, vocab, rows: int, positions: int, d_ff: int) -> Callable[[], torch.nn.Module]:
@@ -37,4 +37,9 @@ def _final_norm(stage, hidden):
 
 PARTS = ModelParts(body="transformer", layers="transformer.h",
                    first_only=("transformer.wte", "transformer.wpe"),
-                   last_only=("transformer.ln_f", "lm_head"), embed=_embed, final_norm=_final_norm)
+                   last_only=("transformer.ln_f", "lm_head"), embed=_embed, final_norm=_final_norm,
+                   # c_attn's outputs are query, key and value side by side, cut at attn.split_size
+                   tensor_plan=TensorPlan({"attn.c_attn": "colwise", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise",
+                                           "mlp.c_proj": "rowwise"}, fused={"attn.c_attn": 3},
+                                          conv1d=("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"),
+                                          per_rank=("attn.split_size",)))

@@ -5,7 +5,7 @@ from typing import Callable
 import torch
 
 from hvdtrain.config import ModelConfig
-from hvdtrain.models import ModelParts
+from hvdtrain.models import ModelParts, TensorPlan
 from hvdtrain.models.llama import RMS_NORM_EPS, ROPE_THETA, TIE_EMBEDDINGS
 
 
@@ -46,6 +46,7 @@ def _final_norm(stage, hidden):
 PARTS = ModelParts(body="model", layers="model.layers", first_only=("model.embed_tokens",),
                    last_only=("model.norm", "lm_head"), embed=_embed, final_norm=_final_norm,
                    layer_inputs=_layer_inputs,
-                   tensor_plan={"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
-                                "self_attn.v_proj": "colwise", "self_attn.o_proj": "rowwise",
-                                "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"})
+                   tensor_plan=TensorPlan({"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
+                                           "self_attn.v_proj": "colwise", "self_attn.o_proj": "rowwise",
+                                           "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+                                           "mlp.down_proj": "rowwise"}))
