@@ -30,7 +30,7 @@ CASES = [
      ["'parallel.shard'", "'none' with parallel.expert_parallel > 1"]),
     (["model.arch=mixtral", "parallel.expert_parallel=2", "train.optimizer=lamb", "train.weight_decay=0.01"],
      ["'train.optimizer'", "'adamw' with parallel.expert_parallel > 1"]),
-    (["model.arch=modernbert", "parallel.tensor_parallel=2"], ["'parallel.tensor_parallel'", "1 with model.arch 'modernbert'"]),
+    (["model.arch=mixtral", "parallel.tensor_parallel=2"], ["'parallel.tensor_parallel'", "1 with model.arch 'mixtral'"]),
     (["model.arch=llama", "model.n_head=4", "model.n_kv_head=1", "parallel.tensor_parallel=2"],
      ["'parallel.tensor_parallel'", "a divisor of model.n_kv_head (1)"]),
     (["model.arch=llama", "parallel.tensor_parallel=2", "parallel.pipeline_stages=2"],

@@ -17,6 +17,8 @@ LLAMA = {"model": {"arch": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "
 GPT2 = {"train": {"global_batch_size": 8, "max_steps": 8, "grad_clip": 0.5}}  # tests' TINY: 2 heads
 BERT = {"model": {"arch": "bert", "n_layer": 2, "n_head": 2, "d_model": 32},
         "train": {"global_batch_size": 8, "max_steps": 8, "grad_clip": 0.5}}
+MODERNBERT = {"model": {"arch": "modernbert", "n_layer": 3, "n_head": 2, "d_model": 32, "local_attention": 8},
+              "train": {"global_batch_size": 8, "max_steps": 8, "grad_clip": 0.5}}
 
 
 def exported(run) -> dict:
@@ -38,7 +40,8 @@ def assert_trains_as_one_worker(one, split):
         torch.testing.assert_close(joined[name], whole[name], rtol=0, atol=atol, msg=name)
 
 
-@pytest.mark.parametrize("family", [GPT2, LLAMA, BERT], ids=["gpt2", "llama", "bert"])
+@pytest.mark.parametrize("family", [GPT2, LLAMA, BERT, pytest.param(MODERNBERT, marks=pytest.mark.deep)],
+                         ids=["gpt2", "llama", "bert", "modernbert"])
 def test_two_slices_train_as_one_worker(tmp_path, tiny_config, family):
     """np=1 against np=2 with t=2: per-step losses, gradient norms (clipped) and the exported
     weights agree (GPT-2's: transformers loads the export and gives the one worker's logits);

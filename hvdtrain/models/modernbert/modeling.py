@@ -5,7 +5,7 @@ from typing import Callable
 import torch
 
 from hvdtrain.config import ModelConfig
-from hvdtrain.models import ModelParts
+from hvdtrain.models import ModelParts, TensorPlan
 from hvdtrain.models.modernbert import GLOBAL_ATTN_EVERY, GLOBAL_ROPE_THETA, LOCAL_ATTENTION, LOCAL_ROPE_THETA
 
 
@@ -57,4 +57,7 @@ def _final_norm(stage, hidden):
 
 PARTS = ModelParts(body="model", masked_head="head", layers="model.layers", first_only=("model.embeddings",),
                    last_only=("model.final_norm", "head", "decoder"), embed=_embed, final_norm=_final_norm,
-                   layer_inputs=_layer_inputs)
+                   layer_inputs=_layer_inputs,
+                   # Wqkv's outputs are query, key and value side by side; Wi's the input and the gate
+                   tensor_plan=TensorPlan({"attn.Wqkv": "colwise", "attn.Wo": "rowwise", "mlp.Wi": "colwise",
+                                           "mlp.Wo": "rowwise"}, fused={"attn.Wqkv": 3, "mlp.Wi": 2}))
