@@ -390,7 +390,7 @@ class ParallelConfig:
     # matrices split over this many neighbouring workers (one node), which read the same samples,
     # with torch.distributed.tensor.parallel; the workers / t copies are data parallel as without.
     # Must divide the workers, model.n_head and model.n_kv_head. Not yet with model.arch mixtral,
-    # not yet with pipeline stages, parallel.shard or expert parallelism. 1: whole layers.
+    # train.precision fp16, pipeline stages, parallel.shard or expert parallelism. 1: whole layers.
     tensor_parallel: int = 1
 
     def check(self):
@@ -708,6 +708,9 @@ def validate(cfg: Config):
                                   ("parallel.shard", par.shard, "none"), ("train.optimizer", cfg.train.optimizer, "adamw")):
             _require(value == other, key, f"{other!r} with parallel.tensor_parallel > 1 (not supported together yet)",
                      value)
+        # torch.amp.GradScaler's unscale kernel refuses DTensor gradients (torch 2.13)
+        _require(cfg.train.precision != "fp16", "train.precision", "'fp32' or 'bf16' with parallel.tensor_parallel > 1 "
+                 "(fp16's grad scaler does not take the split weights' gradients)", cfg.train.precision)
     # Cross-section: sharding reduce-scatters the gradients itself, uncompressed.
     _require(par.shard == "none" or cfg.horovod.compression == "none", "horovod.compression",
              f"'none' with parallel.shard={par.shard!r} (the gradients are reduce-scattered in their own dtype)",

@@ -33,6 +33,8 @@ CASES = [
     (["model.arch=mixtral", "parallel.tensor_parallel=2"], ["'parallel.tensor_parallel'", "1 with model.arch 'mixtral'"]),
     (["model.arch=llama", "model.n_head=4", "model.n_kv_head=1", "parallel.tensor_parallel=2"],
      ["'parallel.tensor_parallel'", "a divisor of model.n_kv_head (1)"]),
+    (["model.arch=bert", "train.precision=fp16", "parallel.tensor_parallel=2"],
+     ["'train.precision'", "'fp32' or 'bf16' with parallel.tensor_parallel > 1"]),
     (["model.arch=llama", "parallel.tensor_parallel=2", "parallel.pipeline_stages=2"],
      ["'parallel.pipeline_stages'", "1 with parallel.tensor_parallel > 1"]),
     (["model.arch=bert", "model.tie_embeddings=false"], ["'model.tie_embeddings'", "model.arch bert"]),

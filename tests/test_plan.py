@@ -674,3 +674,51 @@ def test_split_experts_leave_each_worker_its_share_and_an_alltoall():
     assert "Experts split over 8 workers" in planmod.format_plan(split)
     with pytest.raises(UserError, match="--gpus"):
         plan(olmoe_shaped(8), gpus=12)
+
+
+def llama_shaped(t: int, **model):
+    """Llama-like: 4 layers of d 256, 8 heads (2 key/value), bf16, micro batch 2 of 128 tokens,
+    global batch 32: the numbers below are worked out from these."""
+    return config_from_dict({"model": {"arch": "llama", "n_layer": 4, "n_head": 8, "n_kv_head": 2, "d_model": 256,
+                                       "d_ff": 512, **model},
+                             "data": {"seq_len": 128, "vocab_size": 1024},
+                             "train": {"micro_batch_size": 2, "global_batch_size": 32, "precision": "bf16"},
+                             "parallel": {"tensor_parallel": t}})
+
+
+def test_split_layers_leave_each_worker_its_slices_and_their_allreduces():
+    """t = 2 on 8 GPUs: a worker keeps half of every layer (and the whole embeddings and head),
+    16 B of state per parameter it holds, allreduces its gradients over the 4 copies; its
+    activations inside the split matrices' span halve: a layer keeps (2·2 + 2 + 8)·sbh whole
+    and (12·2 + 2)·sbh / 2 split; per layer and micro batch 4 allreduces of s·b·h bf16 values
+    within the group, 6 with activation checkpointing."""
+    whole, split = plan(llama_shaped(1), gpus=8), plan(llama_shaped(2), gpus=8)
+    layer = planmod.parameter_parts(llama_shaped(1)).layer
+    held = whole["model"]["params"] - 4 * layer // 2
+    assert split["tensor"]["params_per_worker"] == held
+    assert split["memory"]["parts"]["optimizer state (adamw, 2 fp32 moments)"] == 8 * held
+    assert split["comm"]["gradient_bytes"] == 4 * held and split["comm"]["workers"] == 4
+    sbh = 128 * 2 * 256
+    assert layer_activation_bytes(128, 2, 256, 8, 2, t=1) == 40 * sbh
+    assert layer_activation_bytes(128, 2, 256, 8, 2, t=2) == 14 * sbh + 26 * sbh // 2
+    grad_accum = 32 // 4 // 2  # the global batch over 4 copies, micro batches of 2
+    x = split["tensor"]
+    assert (x["allreduces"], x["bytes"]) == (4 * 4 * grad_accum, 4 * 4 * grad_accum * sbh * 2)
+    recomputed = plan(llama_shaped(2, activation_checkpointing=True), gpus=8)["tensor"]
+    assert recomputed["allreduces"] == 6 * 4 * grad_accum
+    assert x["seconds"] == pytest.approx(x["allreduces"] * ring_allreduce_seconds(sbh * 2, 2, 3600.0, 5e-6))
+    assert whole["tensor"] is None
+    assert "Layers split over 2 workers" in planmod.format_plan(split)
+    with pytest.raises(UserError, match="--gpus"):
+        plan(llama_shaped(4, n_kv_head=4), gpus=6)
+
+
+def test_a_model_too_large_for_one_gpu_is_told_the_tensor_parallel_ranks_it_needs(capsys):
+    """On a GPU between what t=1 and t=2 need at micro batch 1 with checkpointing, the plan
+    names t=2 (`--tp 2`) beside the pipeline stages."""
+    one = memory_bytes(llama_shaped(1), 1, True, copies=8)["total"]
+    two = memory_bytes(llama_shaped(2), 1, True, copies=4)["total"]
+    assert two < one
+    result = plan(llama_shaped(1), gpus=8, gpu_memory_gib=(one + two) / 2 / planmod.USABLE_FRACTION / GIB)
+    assert result["memory"]["tensor_parallel"] == 2
+    assert "`--tp 2` plans it" in planmod.format_plan(result)

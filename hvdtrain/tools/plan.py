@@ -71,6 +71,9 @@ HOROVOD_FUSION_DEFAULT_MIB = 128
 BACKWARD_FRACTION = 2 / 3
 # Per-hop latency of one ring step: NCCL over InfiniBand/NVLink is a few microseconds.
 DEFAULT_LATENCY_US = 5.0
+# The links of a tensor-parallel group (one node): NVLink 4 (H100, H200) carries 450 GB/s each
+# way per GPU, what NCCL's allreduce reaches as bus bandwidth within an 8-GPU node.
+NVLINK_GBPS = 3600.0
 # Activation checkpointing runs each layer's forward again in backward: forward is 1/3 of the
 # compute, so the same work takes 4/3 as long.
 RECOMPUTE_FACTOR = 4 / 3
@@ -91,7 +94,7 @@ def _activation_elem(cfg) -> int:
 
 
 def layer_activation_bytes(seq_len: int, micro_batch: int, d_model: int, n_head: int, elem: int,
-                           sdpa: bool = True) -> int:
+                           sdpa: bool = True, t: int = 1) -> int:
     """Bytes one transformer layer keeps for backward.
 
     Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
@@ -111,16 +114,22 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, d_model: int, n_head:
     output (elem·sbh) and a per-row fp32 logsumexp (4·a·s·b, left out as small) instead, and
     regenerates its dropout mask from the RNG state.
 
+    With tensor parallelism over t ranks (parallel.tensor_parallel, without sequence
+    parallelism: Korthikanti's sbh·(10 + 24/t + 5·a·s/(h·t))) the values inside the split
+    matrices' span divide by t: Q, K, V, the output projection's input, the MLP's 4h-wide
+    tensors (12·elem·sbh) and the attention output or scores; the layer's two inputs, the norms'
+    fp32 inputs and the dropout masks of the residual branches stay whole.
+
     tests/test_plan.py checks the count against the tensors HF GPT-2 and BERT layers keep.
     It assumes a fused GELU: BERT's "gelu", and for GPT-2 `activation_function=
     "gelu_pytorch_tanh"`. HF GPT-2's default "gelu_new" is separate elementwise ops whose
     intermediates are kept too: three more 4h-wide fp32 tensors, 48·sbh more bytes per layer.
     """
     sbh = seq_len * micro_batch * d_model
-    per_layer = sbh * (14 * elem + 2 + 2 * RESIDUAL_BYTES)
+    per_layer = sbh * (2 * elem + 2 + 2 * RESIDUAL_BYTES) + sbh * 12 * elem // t
     if sdpa:
-        return per_layer + sbh * elem
-    return per_layer + n_head * seq_len * seq_len * micro_batch * (4 + 1 + elem)
+        return per_layer + sbh * elem // t
+    return per_layer + n_head * seq_len * seq_len * micro_batch * (4 + 1 + elem) // t
 
 
 def activation_bytes(cfg, micro_batch: int, checkpointing: bool, sdpa: bool = True) -> int:
@@ -129,7 +138,8 @@ def activation_bytes(cfg, micro_batch: int, checkpointing: bool, sdpa: bool = Tr
     its backward. The embedding dropout mask and the final LayerNorm / MLM-head transform
     (a few sbh outside the layers) are left out."""
     s, b, h = cfg.data.seq_len, micro_batch, cfg.model.d_model
-    one_layer = layer_activation_bytes(s, b, h, cfg.model.n_head, _activation_elem(cfg), sdpa)
+    one_layer = layer_activation_bytes(s, b, h, cfg.model.n_head, _activation_elem(cfg), sdpa,
+                                       cfg.parallel.tensor_parallel)
     if checkpointing:
         return cfg.model.n_layer * RESIDUAL_BYTES * s * b * h + one_layer
     return cfg.model.n_layer * one_layer
@@ -237,9 +247,26 @@ def largest_unit_params(cfg) -> int:
 
 def params_per_worker(cfg) -> int:
     """The parameters one worker holds: the model's, less the experts that
-    parallel.expert_parallel = e puts on the other ranks of its expert group ((e-1)/e of them)."""
-    e = cfg.parallel.expert_parallel
-    return count_params(**model_dims(cfg)) - cfg.model.n_layer * parameter_parts(cfg).experts * (e - 1) // e
+    parallel.expert_parallel = e puts on the other ranks of its expert group ((e-1)/e of them),
+    and (parallel.tensor_parallel = t) less (t-1)/t of every layer's: its matrices split over t
+    ranks (the layer's norms and row-wise biases, whole on each, are under 0.1% of it and are
+    counted as split too)."""
+    e, t = cfg.parallel.expert_parallel, cfg.parallel.tensor_parallel
+    parts, n_layer = parameter_parts(cfg), cfg.model.n_layer
+    return (count_params(**model_dims(cfg)) - n_layer * parts.experts * (e - 1) // e
+            - n_layer * parts.layer * (t - 1) // t)
+
+
+def tensor_parallel_allreduces(cfg, micro_batch: int, grad_accum: int) -> tuple[int, int]:
+    """Bytes one worker allreduces within its tensor-parallel group in an optimizer step
+    (hvdtrain.parallel.tensor_parallel, Megatron-LM's split without sequence parallelism): per
+    layer and micro batch two allreduces of the hidden states in forward (after the attention's
+    and the MLP's row-wise projections) and two in backward (the column-wise projections' input
+    gradients), two more with activation checkpointing (the forward again), each s·b·h values
+    in the activations' dtype. Returns (allreduces, bytes of each)."""
+    m = cfg.model
+    per_layer = 6 if m.activation_checkpointing else 4
+    return per_layer * m.n_layer * grad_accum, micro_batch * cfg.data.seq_len * m.d_model * _activation_elem(cfg)
 
 
 def alltoall_bytes(cfg, micro_batch: int, grad_accum: int) -> int:
@@ -262,7 +289,10 @@ def memory_bytes(cfg, micro_batch: int, checkpointing: bool, sdpa: bool = True, 
     a sharded optimizer divides its state by). With parallel.expert_parallel the weights and
     their state are this worker's (params_per_worker)."""
     dims = model_dims(cfg)
-    parts = weight_state_bytes(cfg, params_per_worker(cfg), flops_params(**dims), copies)
+    # the matmul weights a worker holds: with parallel.tensor_parallel = t, 1/t of each layer's
+    split_off = cfg.model.n_layer * parameter_parts(cfg).layer * (cfg.parallel.tensor_parallel - 1)
+    matmul = flops_params(**dims) - split_off // cfg.parallel.tensor_parallel
+    parts = weight_state_bytes(cfg, params_per_worker(cfg), matmul, copies)
     parts.update({
         "activations": activation_bytes(cfg, micro_batch, checkpointing, sdpa),
         "logits and loss": loss_chunk_bytes(cfg, micro_batch),
@@ -656,17 +686,23 @@ def stages_needed(cfg, budget: float, sdpa: bool = True, gpus: int = 1) -> Optio
 def plan(cfg, gpus: int, gpu: str = "H100", net_gbps: float = 100.0, step_time: Optional[float] = None,
          target_global_batch: Optional[int] = None, latency_us: float = DEFAULT_LATENCY_US,
          gpu_memory_gib: Optional[float] = None, sdpa: bool = True, pp: Optional[int] = None,
-         model_flops_utilisation: float = DEFAULT_MFU) -> dict:
+         model_flops_utilisation: float = DEFAULT_MFU, tp_gbps: float = NVLINK_GBPS) -> dict:
     """Every number of the plan, in a dict (bytes, seconds, FLOPs). `step_time`: measured seconds
     per optimizer step of this config on one worker. `target_global_batch`: defaults to
     train.global_batch_size. `gpu_memory_gib` overrides the memory of the `gpu` table entry
     (and allows GPUs the table lacks). `pp`: pipeline stages to plan (default
     parallel.pipeline_stages when above 1); `model_flops_utilisation`: what a stage's compute
-    reaches of the GPU's peak when no step time is given."""
+    reaches of the GPU's peak when no step time is given. With parallel.tensor_parallel = t the
+    gpus / t copies are the data-parallel workers, and the group's allreduces run over links of
+    `tp_gbps` (one node's NVLink by default)."""
     _check(gpus >= 1, "--gpus", "an integer >= 1", gpus)
     _check(pp is None or pp >= 1, "--pp", "an integer >= 1", pp)
     _check(0 < model_flops_utilisation <= 1, "--mfu", "a number in (0, 1]", model_flops_utilisation)
     _check(net_gbps > 0, "--net-gbps", "a number > 0", net_gbps)
+    _check(tp_gbps > 0, "--tp-gbps", "a number > 0", tp_gbps)
+    t = cfg.parallel.tensor_parallel
+    _check(gpus % t == 0, "--gpus", f"a multiple of parallel.tensor_parallel ({t})", gpus)
+    copies = gpus // t  # the data-parallel workers: each holds one slice of every layer
     _check(latency_us >= 0, "--latency-us", "a number >= 0", latency_us)
     _check(step_time is None or step_time > 0, "--step-time", "a number > 0", step_time)
     _check(gpu_memory_gib is None or gpu_memory_gib > 0, "--gpu-memory", "a number > 0", gpu_memory_gib)
@@ -682,8 +718,8 @@ def plan(cfg, gpus: int, gpu: str = "H100", net_gbps: float = 100.0, step_time: 
     model = {**dims, "n_head": cfg.model.n_head, "seq_len": cfg.data.seq_len, "params": count_params(**dims),
              "flops_params": flops_params(**dims, head_fraction=head_fraction(cfg)),
              "flops_per_token": model_flops_per_token(cfg)}
-    memory = _memory_plan(cfg, spec.name if spec else gpu, memory_gib, sdpa, gpus)
-    comm = step_comm(cfg, gpus, net_gbps, latency_us * 1e-6)
+    memory = _memory_plan(cfg, spec.name if spec else gpu, memory_gib, sdpa, copies)
+    comm = step_comm(cfg, copies, net_gbps, latency_us * 1e-6)
     stages = pp if pp is not None else cfg.parallel.pipeline_stages
     if stages > 1:
         _check_stages(cfg, stages, gpus, "--pp" if pp is not None else "config key 'parallel.pipeline_stages'")
@@ -709,11 +745,11 @@ def plan(cfg, gpus: int, gpu: str = "H100", net_gbps: float = 100.0, step_time: 
     target = None
     global_batch = target_global_batch if target_global_batch is not None else cfg.train.global_batch_size
     if global_batch is not None:
-        target = {"global_batch": global_batch, "gpus": gpus}
-        per_gpu, remainder = divmod(global_batch, gpus)
-        choice = None if remainder else _largest_micro_batch(cfg, per_gpu, memory["budget"], sdpa, gpus)
+        target = {"global_batch": global_batch, "gpus": gpus, "copies": copies}
+        per_gpu, remainder = divmod(global_batch, copies)
+        choice = None if remainder else _largest_micro_batch(cfg, per_gpu, memory["budget"], sdpa, copies)
         if remainder:
-            target["error"] = f"global batch {global_batch} is not a multiple of {gpus} GPUs"
+            target["error"] = f"global batch {global_batch} is not a multiple of {copies} data-parallel copies"
         elif choice is None:
             target["error"] = "does not fit at micro batch 1 even with activation checkpointing"
         else:
@@ -742,9 +778,17 @@ def plan(cfg, gpus: int, gpu: str = "H100", net_gbps: float = 100.0, step_time: 
                    "params_per_worker": params_per_worker(cfg), "alltoall_bytes": nbytes,
                    "alltoall_s": nbytes * 8 / (net_gbps * 1e9)}
 
+    tensor = None
+    if t > 1:
+        count, each = tensor_parallel_allreduces(cfg, micro, resolve_batch(flat, gpus)[0])
+        tensor = {"t": t, "copies": copies, "params_per_worker": params_per_worker(cfg), "allreduces": count,
+                  "bytes": count * each, "gbps": tp_gbps,
+                  "seconds": count * ring_allreduce_seconds(each, t, tp_gbps, latency_us * 1e-6)}
+
     return {"model": model, "precision": cfg.train.precision, "optimizer": cfg.train.optimizer,
             "peak_tflops": peak, "peak_source": peak_source, "memory": memory, "comm": comm,
-            "gpus": gpus, "scaling": scaling, "target": target, "pipeline": pipeline, "experts": experts}
+            "gpus": gpus, "scaling": scaling, "target": target, "pipeline": pipeline, "experts": experts,
+            "tensor": tensor}
 
 
 def _check_stages(cfg, stages: int, gpus: int, source: str):
@@ -842,7 +886,24 @@ def _memory_plan(cfg, gpu_name: str, memory_gib: float, sdpa: bool, gpus: int = 
             "total_without_checkpointing": memory_bytes(cfg, micro, False, sdpa, gpus)["total"],
             "total_with_checkpointing": memory_bytes(cfg, micro, True, sdpa, gpus)["total"],
             "smallest_total": smallest,
-            "pipeline_stages": stages_needed(cfg, budget, sdpa, gpus) if smallest > budget else None}
+            "pipeline_stages": stages_needed(cfg, budget, sdpa, gpus) if smallest > budget else None,
+            "tensor_parallel": tensor_parallel_needed(cfg, budget, sdpa, gpus) if smallest > budget else None}
+
+
+def tensor_parallel_needed(cfg, budget: float, sdpa: bool = True, gpus: int = 1) -> Optional[int]:
+    """The fewest tensor-parallel ranks t (2, 4 or 8: within one node; dividing the heads, the
+    key/value heads and --gpus) with which micro batch 1 with activation checkpointing fits
+    `budget`; None when none does (or the family is not split)."""
+    m = cfg.model
+    if m.arch == "mixtral":
+        return None
+    heads = [m.n_head, m.n_kv_head or m.n_head]
+    for t in (2, 4, 8):
+        if t > cfg.parallel.tensor_parallel and gpus % t == 0 and all(h % t == 0 for h in heads):
+            split = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tensor_parallel=t))
+            if memory_bytes(split, 1, True, sdpa, gpus // t)["total"] <= budget:
+                return t
+    return None
 
 
 def _largest_micro_batch(cfg, per_gpu: int, budget: float, sdpa: bool,
@@ -890,9 +951,12 @@ def format_plan(p: dict) -> str:
     if mem["smallest_total"] > mem["budget"]:
         if mem["pipeline_stages"]:
             needed = mem["pipeline_stages"]
+            split = mem["tensor_parallel"]
             lines.append(f"  Even micro batch 1 with activation checkpointing needs {_gib(mem['smallest_total'])} "
                          f"on one GPU: this model needs at least {needed} pipeline stages "
-                         f"(parallel.pipeline_stages; `--pp {needed}` plans them) or a GPU with more memory.")
+                         f"(parallel.pipeline_stages; `--pp {needed}` plans them)"
+                         + (f", or its layers split over {split} GPUs (parallel.tensor_parallel; `--tp {split}` plans "
+                            f"it)" if split else "") + ", or a GPU with more memory.")
         else:
             lines.append(f"  Even micro batch 1 with activation checkpointing needs {_gib(mem['smallest_total'])} "
                          f"on one GPU, and with one layer per pipeline stage the largest stage still does not fit.")
@@ -900,7 +964,8 @@ def format_plan(p: dict) -> str:
     grad_dtype = "fp16" if comm["compression"] == "fp16" else "fp32"
     lines += ["", f"Gradient allreduce per optimizer step: {comm['gradient_bytes'] / 1e6:,.1f} MB "
               f"({grad_dtype}) in {comm['allreduces']} fused allreduce(s), ring over {comm['net_gbps']:g} Gbit/s, "
-              f"{comm['latency_s'] * 1e6:g} µs per hop: {comm['seconds'] * 1e3:.1f} ms on {p['gpus']} GPUs"]
+              f"{comm['latency_s'] * 1e6:g} µs per hop: {comm['seconds'] * 1e3:.1f} ms on {comm['workers']} "
+              f"{'GPUs' if comm['workers'] == p['gpus'] else 'data-parallel copies'}"]
     x = p["experts"]
     if x is not None:
         lines += [f"Experts split over {x['e']} workers (parallel.expert_parallel): {x['experts'] // x['e']} of each "
@@ -908,6 +973,12 @@ def format_plan(p: dict) -> str:
                   f"{x['alltoall_bytes'] / 1e9:,.1f} GB sent per worker per optimizer step (tokens to their "
                   f"experts and back, forward and backward): {x['alltoall_s']:.2f} s at "
                   f"{comm['net_gbps']:g} Gbit/s, not overlapped"]
+    x = p["tensor"]
+    if x is not None:
+        lines += [f"Layers split over {x['t']} workers (parallel.tensor_parallel), {x['copies']} data-parallel copies: "
+                  f"{x['params_per_worker']:,} parameters per worker; {x['allreduces']:,} allreduces of the hidden "
+                  f"states per optimizer step within the group ({x['bytes'] / 1e9:,.1f} GB): {x['seconds']:.3f} s "
+                  f"at {x['gbps']:g} Gbit/s, on the critical path (each waits for its layer's matmul)"]
 
     peak = f"{p['peak_tflops']:g} TFLOP/s ({p['peak_source']})" if p["peak_tflops"] else p["peak_source"]
     s = p["scaling"]
@@ -947,7 +1018,8 @@ def format_plan(p: dict) -> str:
         if "error" in t:
             lines.append(f"  {t['error']}")
         else:
-            lines.append(f"  micro batch {t['micro_batch']} x grad_accum {t['grad_accum']} x {t['gpus']} GPUs, "
+            lines.append(f"  micro batch {t['micro_batch']} x grad_accum {t['grad_accum']} x {t['copies']} "
+                         f"{'GPUs' if t['copies'] == t['gpus'] else 'data-parallel copies'}, "
                          f"activation checkpointing {'on' if t['checkpointing'] else 'off'}: "
                          f"{_gib(t['total'])} per GPU")
             if "step_s" in t:
@@ -1045,6 +1117,11 @@ def add_cli(subparsers):
     p.add_argument("--pp", type=int, metavar="P",
                    help="pipeline stages: memory of every stage, bubble and step time with P stages, compared with "
                         "the other stage counts (default parallel.pipeline_stages when above 1)")
+    p.add_argument("--tp", type=int, metavar="T",
+                   help="tensor-parallel ranks (parallel.tensor_parallel): each layer's matrices and activations "
+                        "split over T GPUs of a node; memory per GPU and their allreduces' time")
+    p.add_argument("--tp-gbps", type=float, default=NVLINK_GBPS, metavar="G",
+                   help=f"links within a tensor-parallel group in Gbit/s (default {NVLINK_GBPS:g}: NVLink 4)")
     p.add_argument("--shard", choices=("none", "optimizer", "gradients", "full"),
                    help="count the state sharded over the data-parallel copies at this level (parallel.shard)")
     p.add_argument("--shard-optimizer", action="store_true", help="the same as --shard optimizer")
@@ -1056,11 +1133,12 @@ def add_cli(subparsers):
 
 def run_plan(args) -> int:
     level = args.shard or ("optimizer" if args.shard_optimizer else None)
-    cfg = load_config(args.config, args.overrides + ([f"parallel.shard={level}"] if level else []))
+    cfg = load_config(args.config, args.overrides + ([f"parallel.shard={level}"] if level else [])
+                      + ([f"parallel.tensor_parallel={args.tp}"] if args.tp else []))
     step_time = read_step_time(args.measured) if args.measured else args.step_time
     result = plan(cfg, args.gpus, gpu=args.gpu, net_gbps=args.net_gbps, step_time=step_time,
                   target_global_batch=args.target_global_batch, latency_us=args.latency_us,
                   gpu_memory_gib=args.gpu_memory, sdpa=not args.eager_attention, pp=args.pp,
-                  model_flops_utilisation=args.mfu)
+                  model_flops_utilisation=args.mfu, tp_gbps=args.tp_gbps)
     print(format_plan(result))
     return 0
