@@ -171,6 +171,20 @@ def test_data_missing_on_one_host_is_one_line_naming_the_file_and_the_host(tmp_p
     assert not out.exists()
 
 
+def test_a_tensor_parallel_group_across_hosts_is_one_line(tmp_path, hosts, tiny_config):
+    """parallel.tensor_parallel=2 with one worker on each of two hosts: a group would span them."""
+    hosts.start("127.0.0.2")
+    out = tmp_path / "run"
+    proc = hvdtrain("launch", "--gloo", "-np", "2", "-H", "127.0.0.1:1,127.0.0.2:1", *hosts.launch_args,
+                    tiny_config({"model": {"arch": "llama"}}), f"out_dir={out}", "parallel.tensor_parallel=2",
+                    env=hosts.env)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and "'parallel.tensor_parallel': 2 does not divide the workers of each host (1)" in lines[0]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
 def test_a_host_without_the_venv_is_one_line_naming_the_host(tmp_path, hosts, tiny_config, controller):
     (tmp_path / "empty").mkdir()

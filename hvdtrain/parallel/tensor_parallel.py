@@ -77,6 +77,12 @@ def open_tensor_groups(rank: int, world_size: int, t: int, device: torch.device)
     group in the same order."""
     if world_size % t:
         raise UserError(f"config key 'parallel.tensor_parallel': {t} does not divide the {world_size} workers")
+    # Horovod numbers the ranks host by host: a group is one host's when t divides every
+    # host's count of workers
+    counts = set(distributed.allgather_object(hvd.local_size(), name="tensor_parallel.hosts"))  # Horovod: allgather
+    if any(count % t for count in counts):
+        raise UserError(f"config key 'parallel.tensor_parallel': {t} does not divide the workers of each host "
+                        f"({' or '.join(map(str, sorted(counts)))}): a group's workers must share a host's links")
     grid = ParallelDims((("dp", world_size // t), ("tp", t)))
     parallel_dims.init_torch_distributed("nccl" if device.type == "cuda" else "gloo")
     mine = None
