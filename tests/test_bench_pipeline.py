@@ -67,6 +67,7 @@ def test_smallest_run(tmp_path):
 
 
 @pytest.mark.workers
+@pytest.mark.deep  # 3 minutes on 2 cores: four bench runs of two stages
 def test_each_stage_holds_the_micro_batches_in_flight_not_every_micro_batch_of_a_run():
     """2 stages, a received tensor (activation or gradient) of 2 MiB: from m = 4 to 12 torch's
     own PipelineStage (HVDTRAIN_STAGE=torch) keeps 8 more gradient buffers on the first stage;

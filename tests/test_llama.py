@@ -17,7 +17,9 @@ pytestmark = pytest.mark.workers
 LLAMA = {"model": {"arch": "llama", "n_kv_head": 1}}
 
 
-@pytest.mark.parametrize("model", [LLAMA["model"],
+# deep: a minute of compiling on 2 cores; make test compiles blocks in
+# tests/test_training_features.py (two workers against eager)
+@pytest.mark.parametrize("model", [pytest.param(LLAMA["model"], marks=pytest.mark.deep),
                                    pytest.param({"arch": "modernbert", "local_attention": 8}, marks=pytest.mark.deep)],
                          ids=["llama", "modernbert"])
 def test_compiled_blocks_and_activation_checkpointing_train_like_eager(tmp_path, tiny_config, model):
