@@ -389,8 +389,10 @@ class ParallelConfig:
     # Tensor parallelism (Megatron-LM's, docs/tensor-parallel.md): each layer's attention and MLP
     # matrices split over this many neighbouring workers (one node), which read the same samples,
     # with torch.distributed.tensor.parallel; the workers / t copies are data parallel as without.
-    # Must divide the workers, model.n_head and model.n_kv_head. Not yet with model.arch mixtral,
-    # train.precision fp16, pipeline stages, parallel.shard or expert parallelism. 1: whole layers.
+    # Must divide the workers, model.n_head and model.n_kv_head. With parallel.shard optimizer or
+    # gradients each rank's slices are sharded over the copies holding the same ones. Not yet with
+    # model.arch mixtral, train.precision fp16, pipeline stages, parallel.shard full or expert
+    # parallelism. 1: whole layers.
     tensor_parallel: int = 1
 
     def check(self):
@@ -705,9 +707,11 @@ def validate(cfg: Config):
                      f"a divisor of {key} ({heads}): each worker holds {key} / t heads", t)
         for key, value, other in (("parallel.pipeline_stages", par.pipeline_stages, 1),
                                   ("parallel.expert_parallel", par.expert_parallel, 1),
-                                  ("parallel.shard", par.shard, "none"), ("train.optimizer", cfg.train.optimizer, "adamw")):
+                                  ("train.optimizer", cfg.train.optimizer, "adamw")):
             _require(value == other, key, f"{other!r} with parallel.tensor_parallel > 1 (not supported together yet)",
                      value)
+        _require(par.shard != "full", "parallel.shard", "'none', 'optimizer' or 'gradients' with "
+                 "parallel.tensor_parallel > 1 (gathering split weights unit by unit is not supported yet)", par.shard)
         # torch.amp.GradScaler's unscale kernel refuses DTensor gradients (torch 2.13)
         _require(cfg.train.precision != "fp16", "train.precision", "'fp32' or 'bf16' with parallel.tensor_parallel > 1 "
                  "(fp16's grad scaler does not take the split weights' gradients)", cfg.train.precision)

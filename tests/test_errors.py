@@ -37,6 +37,8 @@ CASES = [
      ["'train.precision'", "'fp32' or 'bf16' with parallel.tensor_parallel > 1"]),
     (["model.arch=llama", "parallel.tensor_parallel=2", "parallel.pipeline_stages=2"],
      ["'parallel.pipeline_stages'", "1 with parallel.tensor_parallel > 1"]),
+    (["model.arch=llama", "parallel.tensor_parallel=2", "parallel.shard=full"],
+     ["'parallel.shard'", "'none', 'optimizer' or 'gradients' with parallel.tensor_parallel > 1"]),
     (["model.arch=bert", "model.tie_embeddings=false"], ["'model.tie_embeddings'", "model.arch bert"]),
     (["model.arch=t5"], ["'model.arch'", "'llama'"]),
     (["model.local_attention=64"], ["'model.local_attention'", "a knob of modernbert only"]),

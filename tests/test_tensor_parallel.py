@@ -89,3 +89,19 @@ def test_a_checkpoint_resumes_at_another_tensor_parallel_size(tmp_path, tiny_con
     train_workers(2, config, f"out_dir={moved}", "parallel.tensor_parallel=2")
     assert_same_losses(step_losses(straight), step_losses(moved), min_steps=8)
     assert_same_params(exported(straight), exported(moved), atol=1e-5)
+
+
+def test_sharded_optimizer_over_the_copies_of_each_slice(tmp_path, tiny_config):
+    """t=2 x 2 copies (4 workers) with parallel.shard: each rank's slices sharded over the two
+    copies holding them (ZeRO-1 to step 4, its checkpoint gathered whole; 2 workers unsplit to 6;
+    ZeRO-2 to 8, each rank reading its slice of its slices): the one worker's losses, gradient
+    norms (clipped) and weights."""
+    config = tiny_config(LLAMA)
+    one, moved = tmp_path / "np1", tmp_path / "moved"
+    train_workers(1, config, f"out_dir={one}")
+    split = ("parallel.tensor_parallel=2",)
+    train_workers(4, config, f"out_dir={moved}", *split, "parallel.shard=optimizer", "train.stop_at_step=4",
+                  timeout=600)
+    train_workers(2, config, f"out_dir={moved}", "train.stop_at_step=6")
+    train_workers(4, config, f"out_dir={moved}", *split, "parallel.shard=gradients", timeout=600)
+    assert_trains_as_one_worker(one, moved)

@@ -192,14 +192,12 @@ def init_torch_distributed(backend: str):
 def add_process_sets(grid: ParallelDims, dim: str, rank: int) -> tuple[object, list]:
     """A Horovod process set for every group along `dim`, added by every rank in the same order
     (Horovod needs hvd.init(process_sets="dynamic")): (this rank's set, the sets added). A set
-    of all ranks is Horovod's global one (it refuses a second); a set of one rank is never
-    reduced over, and not added (None)."""
+    of all ranks is Horovod's global one (it refuses a second); a set of one rank is added as
+    any other (its collectives send nothing), as open_groups adds a stage's only copy."""
     mine, added = None, []
     for ranks in grid.groups(dim):
         if len(ranks) == grid.world_size:
             process_set = hvd.global_process_set
-        elif len(ranks) == 1:
-            process_set = None
         else:
             process_set = hvd.add_process_set(ranks)  # Horovod: add a process set (collective)
             added.append(process_set)

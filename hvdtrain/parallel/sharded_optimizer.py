@@ -79,6 +79,7 @@ import torch.distributed as dist
 
 from hvdtrain.checkpointing import checkpoint
 from hvdtrain.parallel import pipeline
+from hvdtrain.parallel.tensor_parallel import is_split, like, local
 from hvdtrain.optim.optimizers import optimizer_for
 
 try:  # as in distributed.py
@@ -146,7 +147,7 @@ class ShardedOptimizer:
     def __init__(self, model: torch.nn.Module, train_cfg, peak_lr: float, device: torch.device, horovod_cfg,
                  backward_passes: int, rank: int, size: int, process_set=None, reduce_during: bool = True,
                  compute_dtype: torch.dtype = torch.float32, not_counted=(), level: str = "optimizer",
-                 masters: dict[int, torch.Tensor] | None = None):
+                 masters: dict[int, torch.Tensor] | None = None, tensor_group: dist.ProcessGroup | None = None):
         """`rank` of `size`: this copy among those that reduce the model's gradients, the Horovod
         `process_set` (default: all workers). `backward_passes`: micro batches per step.
         `compute_dtype`: the weights' dtype (bfloat16: the weights are cast, fp32 masters kept).
@@ -154,8 +155,12 @@ class ShardedOptimizer:
         `level`: parallel.shard, "optimizer", "gradients" or "full" (whose weights this class
         does not gather: hvdtrain.parallel.sharded_weights does, from the masters).
         `masters`: this copy's fp32 slices by id(parameter), where the build made only those
-        (sharded_weights.materialise_slices); the others are taken from the weights."""
+        (sharded_weights.materialise_slices); the others are taken from the weights.
+        `tensor_group`: with tensor parallelism (hvdtrain.parallel.tensor_parallel) the ranks that
+        hold the other slices of the split layers; a split parameter (a DTensor) is sharded here as
+        its local tensor, the one this rank holds, over the copies holding the same slices."""
         self.model, self.rank, self.size, self.level = model, rank, size, level
+        self.tensor_group = tensor_group
         # ZeRO-2 and 3: every micro batch's gradients are reduce-scattered, not only the last's
         self.every_pass = level in ("gradients", "full")
         self.process_set = process_set if process_set is not None else hvd.global_process_set
@@ -168,16 +173,19 @@ class ShardedOptimizer:
         for name, p in model.named_parameters():
             if not p.requires_grad:
                 continue
-            start, end = shard_range(p.numel(), rank, size)
+            start, end = shard_range(local(p).numel(), rank, size)
             if masters and id(p) in masters:
                 master = masters[id(p)]
             else:  # fp32 weights kept whole: the master slice is a view into them; else its own copy
-                own = p.detach().view(-1)[start:end]
+                own = local(p.detach()).view(-1)[start:end]
                 master = own if compute_dtype == torch.float32 and level != "full" else own.float().clone()
             self.slices.append(_Slice(name, p, start, end, master))
         if compute_dtype != torch.float32:  # after the masters took the fp32 values
             for s in self.slices:
-                s.param.data = s.param.data.to(compute_dtype)
+                if is_split(s.param):  # a DTensor's .data keeps its dtype: swap in a cast copy (the same object)
+                    torch.utils.swap_tensors(s.param, torch.nn.Parameter(s.param.detach().to(compute_dtype)))
+                else:
+                    s.param.data = s.param.data.to(compute_dtype)
         self.not_counted = {id(p) for p in not_counted}
         self.inner = optimizer_for([s.master for s in self.slices], [s.param.dim() >= 2 for s in self.slices],
                                    train_cfg, peak_lr, device, lamb_norms=self._sum_over_copies)
@@ -205,12 +213,13 @@ class ShardedOptimizer:
         """After each backward pass has added to the parameter's gradient."""
         s.passes += 1
         if self.every_pass and self.reduce_during:  # ZeRO-2/3: this pass's gradient, reduced now
-            grad = param.grad.float().reshape(-1)
+            grad = local(param.grad).float().reshape(-1)
             param.grad = None  # the next pass starts a new one; Horovod holds this one until done
             self._start_reduce(s, grad)
             return
         if self.compute_dtype != torch.float32:  # 16-bit weights: sum the gradients in fp32
-            s.main_grad = param.grad.float() if s.main_grad is None else s.main_grad.add_(param.grad)
+            grad = local(param.grad)
+            s.main_grad = grad.float() if s.main_grad is None else s.main_grad.add_(grad)
             param.grad = None
         if self.reduce_during and s.passes == self.backward_passes:  # complete: reduce it now, during backward
             self._start_reduce(s, self._full_grad(s))
@@ -243,8 +252,8 @@ class ShardedOptimizer:
     def _full_grad(self, s: _Slice) -> torch.Tensor:
         grad = s.main_grad if self.compute_dtype != torch.float32 else s.param.grad
         if grad is None:  # a parameter this step did not reach: every copy must send the same tensors
-            grad = torch.zeros(s.param.shape, dtype=torch.float32, device=s.param.device)
-        return grad.reshape(-1)
+            grad = torch.zeros(local(s.param).shape, dtype=torch.float32, device=s.param.device)
+        return local(grad).reshape(-1)
 
     def _has_full_grad(self, s: _Slice) -> bool:
         return (s.main_grad if self.compute_dtype != torch.float32 else s.param.grad) is not None
@@ -282,11 +291,11 @@ class ShardedOptimizer:
         """`slices` in consecutive groups of at most BUCKET_BYTES of fp32 (one slice alone if larger)."""
         bucket, size = [], 0
         for s in slices:
-            if bucket and size + 4 * s.param.numel() > BUCKET_BYTES:
+            if bucket and size + 4 * local(s.param).numel() > BUCKET_BYTES:
                 yield bucket
                 bucket, size = [], 0
             bucket.append(s)
-            size += 4 * s.param.numel()
+            size += 4 * local(s.param).numel()
         if bucket:
             yield bucket
 
@@ -311,12 +320,24 @@ class ShardedOptimizer:
     def clip_grad_norm_(self, max_norm: float, groups=None) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ of the whole model's reduced gradient: the squared norm
         of this copy's slices, summed over the copies and, with pipeline stages, along the
-        pipeline (`groups`); every slice scaled by the same coefficient. Returns the norm."""
-        counted = [s.master.grad for s in self.slices if id(s.param) not in self.not_counted]
-        squares = self._sum_over_copies((torch.nn.utils.get_total_norm(counted) ** 2).reshape(1))
+        pipeline (`groups`); with tensor parallelism the split parameters' over the tensor group
+        too, the whole ones (equal on its ranks) counted once. Every slice scaled by the same
+        coefficient. Returns the norm."""
+        counted = [s for s in self.slices if id(s.param) not in self.not_counted]
+
+        def squares_of(split: bool) -> torch.Tensor:  # (an empty list's norm is a host zero)
+            grads = [s.master.grad for s in counted if is_split(s.param) == split]
+            return (torch.nn.utils.get_total_norm(grads) ** 2).to(self.slices[0].master.device)
+
+        # squares of the whole parameters' slices and of the split ones', summed over the copies
+        squares = self._sum_over_copies(torch.stack([squares_of(False), squares_of(True)]))
+        if self.tensor_group is not None:
+            split = squares[1:].clone()
+            dist.all_reduce(split, group=self.tensor_group)  # torch.distributed: allreduce (sum) over the tensor group
+            squares = torch.cat([squares[:1], split])
         if groups is not None:
             dist.all_reduce(squares, group=groups.pipeline)  # torch.distributed: allreduce (sum), along the pipeline
-        total = squares.sqrt()[0]
+        total = squares.sum().sqrt()
         torch.nn.utils.clip_grads_with_norm_([s.master for s in self.slices], max_norm, total)
         return total
 
@@ -348,7 +369,7 @@ class ShardedOptimizer:
             gathered = hvd.grouped_allgather([on_the_wire(s) for s in bucket],
                                              name=f"shard.weights.{bucket[-1].name}", process_set=self.process_set)
             for s, whole in zip(bucket, gathered):
-                s.param.detach().view(-1).copy_(off_the_wire(whole, s.param.dtype))
+                local(s.param.detach()).view(-1).copy_(off_the_wire(whole, s.param.dtype))
 
     def zero_grad(self):
         for s in self.slices:
@@ -371,26 +392,56 @@ class ShardedOptimizer:
                 state[f"{s.name}::{key}"] = value if value.dim() == 0 else (value, s.start, s.param.shape)
         return checkpoint.write_slices(tmp, index, count, weights, state)
 
+    def gathered(self) -> tuple[dict, dict]:
+        """Tensor parallelism's checkpoints (hvdtrain.parallel.tensor_parallel.whole_state):
+        (weights, optimizer state) by name, the fp32 master weights and the state of this rank's
+        local tensors, allgathered over the copies (every copy calls this), DTensors where split;
+        the model's buffers beside the weights. Each copy then holds its local tensors' whole
+        state for the moment, as the group's first copy gathers them whole to write them."""
+        weights, state = {}, {}
+        for s in self.slices:
+            fields = self.inner.state.get(s.master, {})
+            moments = [k for k in STATE_FIELDS if k in fields and fields[k].dim()]
+            # Horovod: grouped allgather over the copies of the weights' and the moments' slices
+            whole = hvd.grouped_allgather([s.master.detach()] + [fields[k] for k in moments],
+                                          name=f"shard.gather.{s.name}", process_set=self.process_set)
+            shaped = [like(s.param, w.view(local(s.param).shape)) for w in whole]
+            weights[s.name] = shaped[0]
+            state.update({f"{s.name}::{k}": v for k, v in zip(moments, shaped[1:])})
+            state.update({f"{s.name}::{k}": fields[k] for k in STATE_FIELDS if k in fields and not fields[k].dim()})
+        names = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
+        weights.update({k: v for k, v in self.model.state_dict().items() if k not in names})
+        return weights, state
+
     @torch.no_grad()
-    def load(self, path, aliases: dict[str, list[str]]):
+    def load(self, path, aliases: dict[str, list[str]], place=None):
         """This copy's master slices and optimizer state from a checkpoint of any layout, sharded
         or not (the model's weights are loaded by checkpoint.load_weights, except with "full",
-        whose weights the masters are); reads only the
-        slices' ranges. `aliases`: the tied names (checkpoint.tie_aliases)."""
+        whose weights the masters are); reads only the slices' ranges. `aliases`: the tied names
+        (checkpoint.tie_aliases). With tensor parallelism `place` (tensor_parallel.placed): the
+        whole tensors are read, and of each the slice of this rank's local tensor kept."""
         def names(s):
             return [s.name, *aliases.get(s.name, [])]
 
-        ranges = {n: (s.start, s.end) for s in self.slices for n in names(s)}
+        def read(s):  # the range of the saved tensor that holds this slice
+            return (s.start, s.end) if place is None else (0, s.param.numel())
+
+        def mine(s, values):  # this slice of what was read
+            if place is None or values is None or not values.dim():
+                return values
+            return local(place(s.name, values)).reshape(-1)[s.start:s.end]
+
+        ranges = {n: read(s) for s in self.slices for n in names(s)}
         weights = checkpoint.read_ranges(path, "model", ranges)
-        state_ranges = {f"{n}::{k}": (s.start, s.end) for s in self.slices for n in names(s) for k in STATE_FIELDS}
+        state_ranges = {f"{n}::{k}": read(s) for s in self.slices for n in names(s) for k in STATE_FIELDS}
         saved = checkpoint.read_ranges(path, "optimizer", state_ranges)
         order = {id(t): i for i, t in enumerate(t for g in self.inner.param_groups for t in g["params"])}
         state = {}
         for s in self.slices:
             if s.end == s.start:
                 continue
-            s.master.copy_(next(weights[n] for n in names(s) if weights[n] is not None))
+            s.master.copy_(mine(s, next(weights[n] for n in names(s) if weights[n] is not None)))
             source = next((n for n in names(s) if saved[f"{n}::exp_avg"] is not None), None)
             if source is not None:  # none when the checkpoint's run has not stepped yet
-                state[order[id(s.master)]] = {k: saved[f"{source}::{k}"] for k in STATE_FIELDS}
+                state[order[id(s.master)]] = {k: mine(s, saved[f"{source}::{k}"]) for k in STATE_FIELDS}
         self.inner.load_state_dict({"state": state, "param_groups": self.inner.state_dict()["param_groups"]})

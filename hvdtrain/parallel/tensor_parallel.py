@@ -34,7 +34,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from hvdtrain.checkpointing import checkpoint
 from hvdtrain.errors import UserError
 from hvdtrain.models import family_of
 from hvdtrain.models.common import transformer_blocks
@@ -232,38 +231,49 @@ def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def whole_state(model, optimizer, groups: TensorGroups) -> tuple[dict, dict]:
-    """(weights, optimizer state) by name, whole and in the saved form (every rank of the group
-    calls this, in the same order); a tied weight once, under its first name (a resume finds it
-    by the others)."""
+def whole_state(weights: dict, state: dict, model, groups: TensorGroups) -> tuple[dict, dict]:
+    """(weights, optimizer state) by name, whole and in the saved form, on the host, from
+    `weights` and `state` by name, DTensors where split (every rank of the group calls this, in
+    the same order); a tied weight once, under its first name (a resume finds it by the others)."""
     forms, t = saved_forms(model, groups.size), groups.size
 
     def saved(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        tensor = whole_tensor(tensor)
+        tensor = whole_tensor(tensor).detach().cpu()
         return to_saved(tensor, forms[name], t) if name in forms and tensor.dim() else tensor
 
-    weights, seen = {}, set()
-    for name, tensor in model.state_dict().items():
+    whole, seen = {}, set()
+    for name, tensor in weights.items():
         if local(tensor).data_ptr() not in seen:
             seen.add(local(tensor).data_ptr())
-            weights[name] = saved(name, tensor)
-    state = {key: saved(key.split("::", 1)[0], value)
-             for key, value in checkpoint.optimizer_tensors(optimizer, model, whole_tensor).items()}
-    return weights, state
+            whole[name] = saved(name, tensor)
+    return whole, {key: saved(key.split("::", 1)[0], value) for key, value in state.items()}
+
+
+def like(param: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """`values` of the shape of `param`'s local tensor as `param` holds them: a DTensor of its
+    placements where it is split (nothing is sent), else as they are."""
+    if not isinstance(param, DTensor):
+        return values
+    return DTensor.from_local(values, param.device_mesh, param.placements, run_check=False)
 
 
 def placed(model, groups: TensorGroups):
-    """A checkpoint.load_weights / load_optimizer `place` for `model`: a whole saved tensor of a
-    split parameter (or of its optimizer state, of the same size) becomes a DTensor of the
-    parameter's placements, in training form, each rank keeping its slice."""
+    """A checkpoint.load_weights / load_optimizer / ShardedOptimizer.load `place` for `model`: a
+    whole saved tensor of a split parameter (or of its optimizer state, of the same size; in its
+    saved shape or flat) becomes a DTensor of the parameter's placements, in training form, each
+    rank keeping its slice."""
     params, forms = dict(model.named_parameters()), saved_forms(model, groups.size)
 
     def place(name: str, tensor: torch.Tensor) -> torch.Tensor:
         param = params.get(name)
         if not isinstance(param, DTensor) or tensor.numel() != param.numel() or not tensor.dim():
             return tensor
-        if name in forms:
-            tensor = from_saved(tensor, forms[name], groups.size)
+        if name in forms:  # (read whole, or flat: a sharded optimizer's ranges)
+            transposed = forms[name][1]
+            tensor = from_saved(tensor.reshape(param.shape[::-1] if transposed else param.shape), forms[name],
+                                groups.size)
+        else:
+            tensor = tensor.reshape(param.shape)
         # every rank read the same whole tensor: each keeps its slice, nothing is sent
         return distribute_tensor(tensor.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
 

@@ -138,7 +138,7 @@ class TrainingState:
             if not (self.sharded and self.optimizer.level == "full"):
                 checkpoint.load_weights(self.model, path, self.aliases, part, place)
             if self.sharded:
-                self.optimizer.load(path, self.aliases)
+                self.optimizer.load(path, self.aliases, None if self.tensor_groups is None else place)
             else:
                 checkpoint.load_optimizer(self.optimizer, self.model, path, self.aliases, part, place)
         if path is not None and self.world.is_main:
@@ -169,14 +169,19 @@ class TrainingState:
         rngs = distributed.allgather_object(rng.capture(), name="rng")  # Horovod: allgather
         tmp = checkpoint.begin_checkpoint(self.cfg.out_dir, self.step) if self.world.is_main else None
         tmp = distributed.broadcast_object(tmp, name="checkpoint_folder")  # Horovod: broadcast from rank 0
-        if self.sharded:  # every worker: its slices
-            part = self.optimizer.write_part(tmp, self.world.rank, self.world.size)
-        elif self.tensor_groups is not None:  # the first copy gathers the whole tensors, its first rank writes
+        if self.tensor_groups is not None:  # the first copy gathers the whole tensors, its first rank writes
             part = {}
-            if self.tensor_groups.dp_rank == 0:  # torch.distributed: allgather of each split tensor over the group
-                weights, state = tensor_parallel.whole_state(self.model, self.optimizer, self.tensor_groups)
+            # sharded: each copy's slices of its local tensors, gathered over the copies
+            local_state = self.optimizer.gathered() if self.sharded else None  # Horovod: allgather
+            if self.tensor_groups.dp_rank == 0:
+                weights, state = local_state or (  # torch.distributed: allgather of each split tensor over the group
+                    self.model.state_dict(),
+                    checkpoint.optimizer_tensors(self.optimizer, self.model, tensor_parallel.whole_tensor))
+                weights, state = tensor_parallel.whole_state(weights, state, self.model, self.tensor_groups)
                 if self.world.is_main:
                     part = checkpoint.write_slices(tmp, 0, 1, weights, state)
+        elif self.sharded:  # every worker: its slices
+            part = self.optimizer.write_part(tmp, self.world.rank, self.world.size)
         elif self.expert_groups is not None:  # the first expert group: its experts' rows (its rank 0: the rest)
             writer = self.world.rank < self.expert_groups.size
             part = (expert_parallel.write_part(tmp, self.model, self.optimizer,
