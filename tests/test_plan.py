@@ -3,11 +3,12 @@ out by hand in the comments, the metrics.jsonl reader, and the `plan` subcommand
 import argparse
 import json
 import math
+from pathlib import Path
 
 import pytest
 
 from hvdtrain.tools import plan as planmod
-from hvdtrain.config import config_from_dict
+from hvdtrain.config import config_from_dict, load_config
 from hvdtrain.errors import UserError
 from hvdtrain.tools.plan import (activation_bytes, exposed_comm_seconds, in_flight, layer_activation_bytes, loss_chunk_bytes,
                            memory_bytes, pipeline_plan, plan, read_step_time, ring_allreduce_seconds, stage_memory,
@@ -509,7 +510,7 @@ def test_plan_with_pp_report():
     p = plan(small_gpt(), gpus=4, gpu="H100", pp=2, step_time=0.1)
     pipe = p["pipeline"]
     assert pipe["chosen"]["fits"] and pipe["chosen"]["largest"] == 2_798_848 + GIB
-    assert [r["stages"] for r in pipe["rows"]] == [1, 2, 4]
+    assert [r["stages"] for r in pipe["rows"] if r["tensor_parallel"] == 1] == [1, 2, 4]
     assert pipe["rows"][2]["copies"] == 1  # 4 stages of one layer each, 16 micro batches per run
     text = planmod.format_plan(p)
     assert "Pipeline: 2 stages x 2 data-parallel copies on 4 GPUs, 1f1b, micro batch 2 x 4 micro batches" in text
@@ -722,3 +723,32 @@ def test_a_model_too_large_for_one_gpu_is_told_the_tensor_parallel_ranks_it_need
     result = plan(llama_shaped(1), gpus=8, gpu_memory_gib=(one + two) / 2 / planmod.USABLE_FRACTION / GIB)
     assert result["memory"]["tensor_parallel"] == 2
     assert "`--tp 2` plans it" in planmod.format_plan(result)
+
+
+def test_stage_memory_with_tensor_parallel_ranks_by_hand():
+    """t=2: each rank holds half of its stages' layers (49,984 parameters each, norms counted as
+    split), the embeddings and head whole; its layers' FLOPs halve."""
+    whole = stage_memory(small_gpt(), 4, 2, checkpointing=False)
+    split = stage_memory(planmod.with_tensor_parallel(small_gpt(), 2), 4, 2, checkpointing=False)
+    assert [r["params"] for r in split] == [118_400 - 49_984, 116_480 - 49_984]
+    for a, b in zip(whole, split):
+        assert b["parts"]["activations"] < a["parts"]["activations"]
+        assert b["flops_per_token"] == pytest.approx(a["flops_per_token"] - 6.0 * 49_984 - 12.0 * 2 * 64 * 32 / 2)
+
+
+def test_the_fit_table_picks_tensor_parallel_ranks_with_the_stages():
+    """GPT-3 175B on 256 x 80 GB: the table holds t = 1, 2, 4, 8 with their stage counts; at the
+    same p a larger t holds less per rank and sends the group's allreduces; the fastest layout
+    that fits splits the layers (t > 1), and the text says it is planned only."""
+    cfg = load_config(Path(__file__).resolve().parent.parent / "recipes" / "gpt3-175b.yaml")
+    p = plan(cfg, gpus=256, gpu="H100")
+    rows = [r for r in p["pipeline"]["rows"] if "error" not in r]
+    assert {r["tensor_parallel"] for r in rows} == {1, 2, 4, 8}
+    largest = {(r["tensor_parallel"], r["stages"]): r["largest"] for r in rows}
+    assert largest[(1, 8)] > largest[(2, 8)] > largest[(4, 8)] > largest[(8, 8)]
+    assert all(r["copies"] * r["tensor_parallel"] * r["stages"] == 256 for r in rows)
+    fastest = p["pipeline"]["fastest"]
+    assert fastest["fits"] and fastest["tensor_parallel"] > 1
+    assert fastest["step_s"] == min(r["step_s"] for r in rows if r["fits"])
+    assert (f"fastest that fits: t={fastest['tensor_parallel']} x p={fastest['stages']}"
+            in planmod.format_plan(p))

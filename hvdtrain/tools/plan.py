@@ -504,27 +504,35 @@ def stage_memory(cfg, microbatches: int, micro_batch: int, checkpointing: bool, 
       inputs' in the activation precision and the output matrix's in fp32);
     * Horovod's fusion buffer and the CUDA overhead, on every rank.
 
+    With parallel.tensor_parallel = t each layer's weights, their state, the activations inside
+    its split span (layer_activation_bytes) and its FLOPs are 1/t on each rank of a group
+    (the stages' boundaries, embeddings and head are whole).
+
     Each entry: rank, stages (pipeline stage ids), layers ([first, end) per stage), params,
     flops_per_token (the rank's share of model_flops_per_token), in_flight, parts, total."""
     par = cfg.parallel
-    p = par.pipeline_stages
+    p, t = par.pipeline_stages, par.tensor_parallel
     v = par.stages_per_rank if p > 1 else 1
     dims = model_dims(cfg)
     bounds = planned_bounds(cfg, p, v)
     counts = stage_params(**dims, bounds=bounds, head_fraction=head_fraction(cfg))
     matmul_weights = [c["flops_params"] for c in stage_params(**dims, bounds=bounds)]  # all of BERT's head too
+    layer_params = parameter_parts(cfg).layer
+
+    def split_off(g: int) -> int:  # the parameters of stage g's layers on the group's other ranks
+        return counts[g]["layers"] * layer_params * (t - 1) // t
     n = p * v
     s, b, d = cfg.data.seq_len, micro_batch, cfg.model.d_model
     sbh = s * b * d
     boundary = _boundary_elem(cfg) * sbh  # one micro batch's activation (or gradient) between stages
-    one_layer = layer_activation_bytes(s, b, d, cfg.model.n_head, _activation_elem(cfg), sdpa)
+    one_layer = layer_activation_bytes(s, b, d, cfg.model.n_head, _activation_elem(cfg), sdpa, t)
     kept_per_layer = RESIDUAL_BYTES * sbh if checkpointing else one_layer
     logits_positions = b * s * head_fraction(cfg)
     ranks = []
     for r in range(p):
         ids = [r + k * p for k in range(v)]
         mine = [counts[g] for g in ids]
-        n_params = sum(c["params"] for c in mine)
+        n_params = sum(counts[g]["params"] - split_off(g) for g in ids)
         k = in_flight(par.schedule, p, v, microbatches, r)
 
         def per_micro_batch(g: int) -> int:
@@ -536,7 +544,7 @@ def stage_memory(cfg, microbatches: int, micro_batch: int, checkpointing: bool, 
                 kept += boundary  # the stage's output, kept for its backward
             return kept
 
-        parts = weight_state_bytes(cfg, n_params, sum(matmul_weights[g] for g in ids), copies)
+        parts = weight_state_bytes(cfg, n_params, sum(matmul_weights[g] - split_off(g) for g in ids), copies)
         activations = k * max(per_micro_batch(g) for g in ids)
         if checkpointing and any(c["layers"] for c in mine):
             activations += one_layer
@@ -556,15 +564,20 @@ def stage_memory(cfg, microbatches: int, micro_batch: int, checkpointing: bool, 
         layers = sum(c["layers"] for c in mine)
         ranks.append({"rank": r, "stages": ids, "layers": [(bounds[g], bounds[g + 1]) for g in ids],
                       "params": n_params, "in_flight": k,
-                      "flops_per_token": 6.0 * sum(c["flops_params"] for c in mine) + 12.0 * layers * d * s,
+                      "flops_per_token": (6.0 * sum(counts[g]["flops_params"] - split_off(g) for g in ids)
+                                          + 12.0 * layers * d * s / t),
                       "parts": parts, "total": sum(parts.values())})
     return ranks
 
 
 def pipeline_batches(cfg, stages: int, gpus: int) -> dict:
     """The batch of `cfg` on `gpus` workers in `stages` pipeline stages: copies (data-parallel
-    size), grad_accum, global_batch, microbatches per schedule run (parallel.microbatches,
-    default grad_accum) and runs per step. A layout hvdtrain would refuse is a UserError."""
+    size: gpus / (stages x parallel.tensor_parallel)), grad_accum, global_batch, microbatches
+    per schedule run (parallel.microbatches, default grad_accum) and runs per step. A layout
+    hvdtrain would refuse is a UserError."""
+    t = cfg.parallel.tensor_parallel
+    if gpus % (stages * t):
+        raise UserError(f"{stages} pipeline stages x {t} tensor-parallel ranks do not divide {gpus} GPUs")
     c = with_stages(cfg, stages)
     grad_accum, global_batch = resolve_batch(c, gpus)
     m = cfg.parallel.microbatches or grad_accum
@@ -573,7 +586,7 @@ def pipeline_batches(cfg, stages: int, gpus: int) -> dict:
     else:
         stage_bounds(cfg.model.n_layer, stages, c.parallel.stages_per_rank, c.parallel.layer_boundaries)
         check_schedule(cfg.parallel.schedule, stages, c.parallel.stages_per_rank, m)
-    return {"copies": gpus // stages, "grad_accum": grad_accum, "global_batch": global_batch,
+    return {"copies": gpus // (stages * t), "grad_accum": grad_accum, "global_batch": global_batch,
             "microbatches": m, "runs": grad_accum // m}
 
 
@@ -597,14 +610,18 @@ def seconds_per_flop(cfg, peak: Optional[float], model_flops_utilisation: float,
 
 
 def pipeline_plan(cfg, stages: int, gpus: int, budget: float, net_gbps: float, latency_s: float,
-                  spf: Optional[float], peak: Optional[float], sdpa: bool = True) -> dict:
-    """One layout: `stages` pipeline stages x gpus / stages copies, at the config's micro batch,
+                  spf: Optional[float], peak: Optional[float], sdpa: bool = True, tp_gbps: float = NVLINK_GBPS) -> dict:
+    """One layout: `stages` pipeline stages x t tensor-parallel ranks (parallel.tensor_parallel)
+    x gpus / (stages x t) copies, at the config's micro batch,
     checkpointing, schedule and batch. `spf`: seconds per model FLOP (seconds_per_flop), None
     for no timing. Memory of every rank, the largest, whether it fits `budget`, the ideal
     bubble and the predicted step:
 
         compute = runs x (v·m + p - 1) x t / v    t: the slowest rank's forward + backward of one
-                                                  micro batch (its FLOPs x spf); v stages per rank
+                                                  micro batch (its FLOPs x spf, and with tensor
+                                                  parallelism its layers' allreduces within the
+                                                  group over `tp_gbps`, on the critical path:
+                                                  tensor_parallel_allreduces); v stages per rank
         + gradient allreduce among the copies of the slowest-to-reduce rank (ring over the
           copies): all of it exposed when reduced "after" the pipeline's run (the GPU default),
           else what the last micro batch's backward does not hide (exposed_comm_seconds)
@@ -617,7 +634,8 @@ def pipeline_plan(cfg, stages: int, gpus: int, budget: float, net_gbps: float, l
     micro, ckpt = cfg.train.micro_batch_size, cfg.model.activation_checkpointing
     ranks = stage_memory(c, m, micro, ckpt, sdpa, batches["copies"])
     largest = max(ranks, key=lambda r: r["total"])
-    row = {"stages": stages, "stages_per_rank": v, "schedule": cfg.parallel.schedule if stages > 1 else None,
+    row = {"stages": stages, "tensor_parallel": cfg.parallel.tensor_parallel, "stages_per_rank": v,
+           "schedule": cfg.parallel.schedule if stages > 1 else None,
            **batches, "micro_batch": micro, "checkpointing": ckpt, "ranks": ranks, "largest_rank": largest["rank"],
            "largest": largest["total"], "fits": largest["total"] <= budget,
            "bubble": ideal_bubble(stages, m, v), "step_s": None}
@@ -625,9 +643,14 @@ def pipeline_plan(cfg, stages: int, gpus: int, budget: float, net_gbps: float, l
         return row
     tokens_micro = micro * cfg.data.seq_len
     slot = max(r["flops_per_token"] for r in ranks) * tokens_micro * spf  # one micro batch on the slowest rank
+    t = cfg.parallel.tensor_parallel
+    if t > 1:  # the group's allreduces of the slowest rank's layers, one micro batch
+        count, each = tensor_parallel_allreduces(cfg, micro, 1)
+        layers = max(sum(e - b for b, e in r["layers"]) for r in ranks)
+        slot += count * layers / cfg.model.n_layer * ring_allreduce_seconds(each, t, tp_gbps, latency_s)
     compute = batches["runs"] * (v * m + stages - 1) * slot / v
     if stages == 1:
-        comm = step_comm(c, gpus, net_gbps, latency_s)
+        comm = step_comm(c, batches["copies"], net_gbps, latency_s)
         exposed = sharded_exposed(cfg, comm["seconds"], comm["tail_seconds"], slot, batches["grad_accum"])
         tied = 0.0
         comm_s, mode = comm["seconds"], "during"
@@ -656,6 +679,21 @@ def pipeline_plan(cfg, stages: int, gpus: int, budget: float, net_gbps: float, l
                step_s=step, tokens_per_s=tokens_per_s,
                mfu=mfu(tokens_per_s, model_flops_per_token(cfg), peak * gpus) if peak else None)
     return row
+
+
+def tensor_sweep(cfg, gpus: int) -> list[int]:
+    """The tensor-parallel sizes to compare on `gpus` GPUs: the configured one, and 1, 2, 4 and 8
+    (a group within one node) where the family splits its layers and t divides the heads, the
+    key/value heads and `gpus`."""
+    m, options = cfg.model, {1, cfg.parallel.tensor_parallel}
+    if m.arch != "mixtral":  # (its layers are not split yet)
+        options |= {t for t in (2, 4, 8) if gpus % t == 0 and m.n_head % t == 0 and (m.n_kv_head or m.n_head) % t == 0}
+    return sorted(options)
+
+
+def with_tensor_parallel(cfg, t: int):
+    """The config with parallel.tensor_parallel = `t`."""
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tensor_parallel=t))
 
 
 def stage_sweep(cfg, gpus: int, chosen: int) -> list[int]:
@@ -766,7 +804,7 @@ def plan(cfg, gpus: int, gpu: str = "H100", net_gbps: float = 100.0, step_time: 
     pipeline = None
     if stages > 1:
         pipeline = _pipeline_section(cfg, stages, gpus, memory["budget"], net_gbps, latency_us * 1e-6, step_time,
-                                     peak, model_flops_utilisation, global_batch, sdpa)
+                                     peak, model_flops_utilisation, global_batch, sdpa, tp_gbps)
         target = pipeline.pop("target")
 
     experts = None
@@ -802,26 +840,34 @@ def _check_stages(cfg, stages: int, gpus: int, source: str):
 
 def _pipeline_section(cfg, stages: int, gpus: int, budget: float, net_gbps: float, latency_s: float,
                       step_time: Optional[float], peak: Optional[float], model_flops_utilisation: float,
-                      global_batch: Optional[int], sdpa: bool) -> dict:
+                      global_batch: Optional[int], sdpa: bool, tp_gbps: float = NVLINK_GBPS) -> dict:
     """`stages` pipeline stages on `gpus` GPUs: the layout as configured (every rank), the other
-    stage counts (`stage_sweep`) and, for a global batch, the micro batch to use
-    (`_pipeline_micro_batch`)."""
+    tensor-parallel sizes and stage counts (`tensor_sweep`, `stage_sweep`) with the fastest that
+    fits, and, for a global batch, the micro batch to use (`_pipeline_micro_batch`)."""
     spf, time_source = seconds_per_flop(cfg, peak, model_flops_utilisation, step_time)
     try:
-        chosen = pipeline_plan(cfg, stages, gpus, budget, net_gbps, latency_s, spf, peak, sdpa)
+        chosen = pipeline_plan(cfg, stages, gpus, budget, net_gbps, latency_s, spf, peak, sdpa, tp_gbps)
     except UserError as e:
         raise UserError(f"{stages} pipeline stages on {gpus} GPUs: {e}") from None
     rows = []
-    for p in stage_sweep(cfg, gpus, stages):
-        try:
-            rows.append(chosen if p == stages else pipeline_plan(cfg, p, gpus, budget, net_gbps, latency_s, spf,
-                                                                 peak, sdpa))
-        except UserError as e:
-            rows.append({"stages": p, "error": str(e)})
+    for t in tensor_sweep(cfg, gpus):
+        split = with_tensor_parallel(cfg, t)
+        for p in stage_sweep(cfg, gpus // t, stages):
+            if t != cfg.parallel.tensor_parallel and (gpus // t) % p:  # the configured p, not one of t's layouts
+                continue
+            if (t, p) == (cfg.parallel.tensor_parallel, stages):
+                rows.append(chosen)
+                continue
+            try:
+                rows.append(pipeline_plan(split, p, gpus, budget, net_gbps, latency_s, spf, peak, sdpa, tp_gbps))
+            except UserError as e:
+                rows.append({"stages": p, "tensor_parallel": t, "error": str(e)})
+    timed = [r for r in rows if "error" not in r and r["fits"] and r["step_s"] is not None]
+    fastest = min(timed, key=lambda r: r["step_s"]) if timed else None
     target = None
     if global_batch is not None:
         target = {"global_batch": global_batch, "gpus": gpus, "stages": stages}
-        copies = gpus // stages
+        copies = gpus // (stages * cfg.parallel.tensor_parallel)
         per_copy, remainder = divmod(global_batch, copies)
         choice = None if remainder else _pipeline_micro_batch(cfg, stages, per_copy, budget, sdpa, copies)
         if remainder:
@@ -837,12 +883,13 @@ def _pipeline_section(cfg, stages: int, gpus: int, budget: float, net_gbps: floa
             target_spf = spf
             if spf is not None and ckpt != cfg.model.activation_checkpointing:
                 target_spf *= RECOMPUTE_FACTOR if ckpt else 1 / RECOMPUTE_FACTOR
-            row = pipeline_plan(c, stages, gpus, budget, net_gbps, latency_s, target_spf, peak, sdpa)
+            row = pipeline_plan(c, stages, gpus, budget, net_gbps, latency_s, target_spf, peak, sdpa, tp_gbps)
             target.update({k: row[k] for k in ("micro_batch", "grad_accum", "microbatches", "runs", "copies",
                                                "checkpointing", "largest", "bubble", "step_s")})
             if row["step_s"] is not None:
                 target.update(tokens_per_s=row["tokens_per_s"], mfu=row["mfu"])
-    return {"stages": stages, "time_source": time_source, "chosen": chosen, "rows": rows, "target": target}
+    return {"stages": stages, "time_source": time_source, "chosen": chosen, "rows": rows, "fastest": fastest,
+            "target": target}
 
 
 def _pipeline_micro_batch(cfg, stages: int, per_copy: int, budget: float, sdpa: bool,
@@ -894,15 +941,10 @@ def tensor_parallel_needed(cfg, budget: float, sdpa: bool = True, gpus: int = 1)
     """The fewest tensor-parallel ranks t (2, 4 or 8: within one node; dividing the heads, the
     key/value heads and --gpus) with which micro batch 1 with activation checkpointing fits
     `budget`; None when none does (or the family is not split)."""
-    m = cfg.model
-    if m.arch == "mixtral":
-        return None
-    heads = [m.n_head, m.n_kv_head or m.n_head]
-    for t in (2, 4, 8):
-        if t > cfg.parallel.tensor_parallel and gpus % t == 0 and all(h % t == 0 for h in heads):
-            split = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tensor_parallel=t))
-            if memory_bytes(split, 1, True, sdpa, gpus // t)["total"] <= budget:
-                return t
+    for t in tensor_sweep(cfg, gpus):
+        if t > cfg.parallel.tensor_parallel and memory_bytes(with_tensor_parallel(cfg, t), 1, True, sdpa,
+                                                             gpus // t)["total"] <= budget:
+            return t
     return None
 
 
@@ -1075,19 +1117,27 @@ def _format_pipeline(p: dict) -> list[str]:
                      f"gradient allreduce over {c['copies']} copies {c['comm_s']:.3f} s ({c['reduce']} the pipeline: "
                      f"{c['exposed_s']:.3f} s exposed), tied embedding {c['tied_s'] * 1e3:.1f} ms; "
                      f"{c['tokens_per_s']:,.0f} tokens/s" + (f", MFU {c['mfu']:.1%}" if c["mfu"] is not None else ""))
-    lines += ["", f"Pipeline stages on {p['gpus']} GPUs at micro batch {c['micro_batch']}, activation checkpointing "
-                  f"{'on' if c['checkpointing'] else 'off'}, {c['schedule']} (p = 1: no pipeline):",
-              f"  {'p':>3} {'copies':>6} {'m':>5} {'largest rank':>13} {'fits':>5} {'bubble':>7} {'step s':>9} "
+    lines += ["", f"Tensor-parallel ranks t x pipeline stages p on {p['gpus']} GPUs at micro batch {c['micro_batch']}, "
+                  f"activation checkpointing {'on' if c['checkpointing'] else 'off'}, {c['schedule']} (p = 1: no "
+                  "pipeline; t: each layer split within a node, its allreduces in the step):",
+              f"  {'t':>2} {'p':>3} {'copies':>6} {'m':>5} {'largest rank':>13} {'fits':>5} {'bubble':>7} {'step s':>9} "
               f"{'tokens/s':>11} {'MFU':>6}"]
     for r in pipe["rows"]:
         if "error" in r:
-            lines.append(f"  {r['stages']:>3}  -  {r['error']}")
+            lines.append(f"  {r['tensor_parallel']:>2} {r['stages']:>3}  -  {r['error']}")
             continue
         step = "-" if r["step_s"] is None else f"{r['step_s']:.3f}"
         rate = "-" if r["step_s"] is None else f"{r['tokens_per_s']:,.0f}"
         mfu_text = "-" if r.get("mfu") is None else f"{r['mfu']:.1%}"
-        lines.append(f"  {r['stages']:>3} {r['copies']:>6} {r['microbatches']:>5} {_gib(r['largest']):>13} "
-                     f"{'yes' if r['fits'] else 'no':>5} {r['bubble']:>7.1%} {step:>9} {rate:>11} {mfu_text:>6}")
+        lines.append(f"  {r['tensor_parallel']:>2} {r['stages']:>3} {r['copies']:>6} {r['microbatches']:>5} "
+                     f"{_gib(r['largest']):>13} {'yes' if r['fits'] else 'no':>5} {r['bubble']:>7.1%} {step:>9} "
+                     f"{rate:>11} {mfu_text:>6}")
+    best = pipe["fastest"]
+    if best is not None:
+        lines.append(f"  fastest that fits: t={best['tensor_parallel']} x p={best['stages']} x {best['copies']} copies, "
+                     f"{best['step_s']:.3f} s per step"
+                     + (" (planned only: hvdtrain does not yet train tensor parallelism with pipeline stages)"
+                        if best["tensor_parallel"] > 1 and best["stages"] > 1 else ""))
     return lines
 
 
