@@ -384,7 +384,8 @@ class ParallelConfig:
     # over this many neighbouring workers, each token sent to the workers holding its experts and
     # back with Horovod's alltoall; the expert weights' gradients reduced over the workers / e
     # holding the same experts, the others' over all. Must divide model.experts and the workers.
-    # 1: every worker holds every expert.
+    # With parallel.shard optimizer or gradients the expert weights are sharded over the workers
+    # holding the same experts (full: not yet). 1: every worker holds every expert.
     expert_parallel: int = 1
     # Tensor parallelism (Megatron-LM's, docs/tensor-parallel.md): each layer's attention and MLP
     # matrices split over this many neighbouring workers (one node), which read the same samples,
@@ -685,6 +686,13 @@ def validate(cfg: Config):
              f"null or >= data.seq_len ({d.seq_len})", m.max_position)
     _require(par.pipeline_stages * par.stages_per_rank <= m.n_layer or m.pretrained, "parallel.pipeline_stages",
              f"at most model.n_layer={m.n_layer} stages in all (x parallel.stages_per_rank)", par.pipeline_stages)
+    # transformers' grouped matmul of the experts takes 16-bit weights (parallel.shard keeps them
+    # in bf16/fp16) only with rows of a multiple of 16 bytes
+    _require(m.arch != "mixtral" or par.shard == "none" or cfg.train.precision == "fp32" or m.pretrained
+             or all(v is None or v % 8 == 0 for v in (m.d_ff, m.d_model)), "model.d_ff",
+             f"a multiple of 8 (and model.d_model too) with model.arch mixtral, train.precision "
+             f"{cfg.train.precision} and parallel.shard {par.shard} (the experts' grouped matmul of 16-bit "
+             "weights needs rows of 16 bytes)", m.d_ff)
     if par.expert_parallel > 1:
         _require(m.arch == "mixtral", "parallel.expert_parallel", f"1 with model.arch {m.arch!r} (a family without "
                  "experts)", par.expert_parallel)
@@ -693,8 +701,8 @@ def validate(cfg: Config):
                  f"a divisor of model.experts ({experts})", par.expert_parallel)
         _require(par.pipeline_stages == 1, "parallel.pipeline_stages", "1 with parallel.expert_parallel > 1 "
                  "(experts split within pipeline stages are not supported yet)", par.pipeline_stages)
-        _require(par.shard == "none", "parallel.shard", "'none' with parallel.expert_parallel > 1 (sharding the "
-                 "copies of split experts is not supported yet)", par.shard)
+        _require(par.shard != "full", "parallel.shard", "'none', 'optimizer' or 'gradients' with "
+                 "parallel.expert_parallel > 1 (gathering split experts unit by unit is not supported yet)", par.shard)
         # LAMB's trust ratio takes the norm of a whole weight; a rank holds some experts' rows.
         _require(cfg.train.optimizer != "lamb", "train.optimizer", "'adamw' with parallel.expert_parallel > 1 "
                  "(LAMB's trust ratio needs the norm of each whole expert weight)", cfg.train.optimizer)

@@ -150,3 +150,24 @@ def test_the_timeline_share_sums_each_operation_from_its_submission_to_its_end(t
                           text=True, check=True)
     assert json.loads(proc.stdout) == {"op": "alltoall", "operations": 2, "busy_s": 7e-6, "window_s": 10e-6,
                                        "share": 0.7}
+
+
+def test_sharded_optimizer_over_the_copies_of_each_expert(tmp_path, tiny_config):
+    """4 workers, e=2 x 2 copies, with parallel.shard: the dense weights sharded over all four,
+    each expert weight over the two ranks holding it (ZeRO-1 to step 4, each rank writing its
+    slices; 2 workers, e=1 unsharded to 6; ZeRO-2 to 8, each reading its slices): the one
+    worker's losses, router loss, clipped norms and weights (micro batches of 1 for all: the
+    router loss is a micro batch's)."""
+    config = tiny_config({**MOE, "train": {**MOE["train"], "micro_batch_size": 1}})
+    one, moved = tmp_path / "np1", tmp_path / "moved"
+    train_workers(1, config, f"out_dir={one}")
+    split = ("parallel.expert_parallel=2",)
+    train_workers(4, config, f"out_dir={moved}", *split, "parallel.shard=optimizer", "train.stop_at_step=4",
+                  timeout=600)
+    train_workers(2, config, f"out_dir={moved}", "train.stop_at_step=6")
+    train_workers(4, config, f"out_dir={moved}", *split, "parallel.shard=gradients", timeout=600)
+    assert_same_losses(step_losses(one), step_losses(moved), min_steps=8)
+    for a, b in zip(read_metrics(one)[0], read_metrics(moved)[0]):
+        assert a["aux_loss"] == pytest.approx(b["aux_loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4) and a["grad_norm"] > 0.5  # clipped
+    assert_same_params(exported(one), exported(moved), atol=1e-5)

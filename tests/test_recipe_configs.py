@@ -22,6 +22,11 @@ def test_recipe_loads(recipe):
     assert cfg.out_dir.startswith("runs/")
 
 
+def stage_rows(p: dict) -> list[dict]:
+    """The plan's layouts without tensor parallelism (t = 1): the pipeline stage counts."""
+    return [r for r in p["pipeline"]["rows"] if r["tensor_parallel"] == 1]
+
+
 def test_tiny_pipeline_recipe():
     cfg = load_config(str(RECIPES[0].parent / "gpt-tiny-pipeline.yaml"))
     assert (cfg.model.n_layer, cfg.parallel.pipeline_stages, cfg.data.source) == (4, 2, "builtin")
@@ -41,7 +46,7 @@ def test_13b_pipeline_recipe_fits_80_gb_in_16_sharded_stages_on_64_gpus():
     assert chosen["fits"] and chosen["largest"] < 47 * GIB and not chosen["checkpointing"]
     assert (chosen["stages"], chosen["copies"], chosen["microbatches"], chosen["runs"]) == (16, 4, 256, 1)
     assert chosen["bubble"] == pytest.approx(15 / 271)
-    assert chosen["step_s"] == min(r["step_s"] for r in p["pipeline"]["rows"] if "error" not in r and r["fits"])
+    assert chosen["step_s"] == min(r["step_s"] for r in stage_rows(p) if "error" not in r and r["fits"])
     h200 = plan(cfg, gpus=64, gpu="H200", pp=2)["pipeline"]["chosen"]
     assert h200["fits"] and h200["largest"] < 57.1 * GIB
 
@@ -55,7 +60,7 @@ def test_70b_pipeline_recipe_fits_64_gpus_of_80_gb_only_sharded():
     chosen = p["pipeline"]["chosen"]
     assert chosen["stages"] == 16 and chosen["fits"] and chosen["largest"] < 64 * GIB
     unsharded = load_config(str(RECIPES[0].parent / "gpt-70b-pipeline.yaml"), ["parallel.shard=none"])
-    rows = {r["stages"]: r for r in plan(unsharded, gpus=64, gpu="H100")["pipeline"]["rows"]}
+    rows = {r["stages"]: r for r in stage_rows(plan(unsharded, gpus=64, gpu="H100"))}
     assert not any(r.get("fits") for p, r in rows.items() if p <= 16) and rows[32]["fits"]
 
 
@@ -115,13 +120,13 @@ def test_gpt3_175b_recipe_fits_256_gpus_of_80_gb_in_16_stages_sharded():
     chosen = p["pipeline"]["chosen"]
     assert (chosen["stages"], chosen["copies"], chosen["microbatches"]) == (16, 16, 96)
     assert chosen["fits"] and chosen["largest"] < 49 * GIB
-    assert chosen["step_s"] == min(r["step_s"] for r in p["pipeline"]["rows"] if "error" not in r and r["fits"])
+    assert chosen["step_s"] == min(r["step_s"] for r in stage_rows(p) if "error" not in r and r["fits"])
     full = plan(load_config(str(RECIPES[0].parent / "gpt3-175b.yaml"), ["parallel.shard=full"]), gpus=256, gpu="H100")
-    assert all(r["fits"] for r in full["pipeline"]["rows"])
+    assert all(r["fits"] for r in stage_rows(full))
     assert full["pipeline"]["chosen"]["step_s"] > 5 * chosen["step_s"]
     for level, smallest_fitting in (("optimizer", 32), ("none", None)):
         other = load_config(str(RECIPES[0].parent / "gpt3-175b.yaml"), [f"parallel.shard={level}"])
-        fitting = [r["stages"] for r in plan(other, gpus=256, gpu="H100")["pipeline"]["rows"] if r.get("fits")]
+        fitting = [r["stages"] for r in stage_rows(plan(other, gpus=256, gpu="H100")) if r.get("fits")]
         assert (min(fitting) if fitting else None) == smallest_fitting, (level, fitting)
 
 

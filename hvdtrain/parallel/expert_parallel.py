@@ -35,6 +35,7 @@ from hvdtrain.config import HorovodConfig
 from hvdtrain.errors import UserError
 from hvdtrain.parallel import distributed
 from hvdtrain.parallel.parallel_dims import ParallelDims, add_process_sets
+from hvdtrain.parallel.sharded_optimizer import Copies
 
 try:  # as in distributed.py
     import horovod.torch as hvd
@@ -50,6 +51,8 @@ class ExpertGroups:
     group_set: object          # this rank's expert group: the alltoall's process set
     same_experts_set: object   # the ranks holding the same experts: their gradients' process set
     added_sets: list = field(default_factory=list)  # what open_expert_groups added, removed by close()
+    copy: int = 0              # which of the groups: this rank's place among those holding its experts
+    copies: int = 1            # world / e
 
     def close(self):
         """Remove the process sets (every rank, the same order)."""
@@ -59,15 +62,14 @@ class ExpertGroups:
 
 def open_expert_groups(rank: int, world_size: int, e: int) -> ExpertGroups:
     """The process sets of parallel.expert_parallel = e, added by every rank in the same order
-    (Horovod needs hvd.init(process_sets="dynamic")). A set of all ranks is Horovod's global one
-    (it refuses a second); a set of one rank is never reduced over, and not added
-    (parallel_dims.add_process_sets)."""
+    (Horovod needs hvd.init(process_sets="dynamic"); parallel_dims.add_process_sets)."""
     if world_size % e:
         raise UserError(f"config key 'parallel.expert_parallel': {e} does not divide the {world_size} workers")
     grid = ParallelDims((("copies", world_size // e), ("ep", e)))
     group_set, added = add_process_sets(grid, "ep", rank)  # Horovod: process sets
     same_experts_set, more = add_process_sets(grid, "copies", rank)
-    return ExpertGroups(e, grid.coords(rank)["ep"], group_set, same_experts_set, added + more)
+    at = grid.coords(rank)
+    return ExpertGroups(e, at["ep"], group_set, same_experts_set, added + more, at["copies"], world_size // e)
 
 
 # ---------------------------------------------------------------- the experts' forward
@@ -207,10 +209,6 @@ class GradientReduction:
         p, process_set, postscale = self.params[name]
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        if process_set is None:  # this rank alone holds these experts
-            p.grad.mul_(postscale)
-            self.in_flight[name] = None
-            return
         sent, context = self.compression.compress(p.grad)
         # Horovod: allreduce within the process set, started while backward goes on
         handle = hvd.allreduce_async_(sent, name=f"grads.{name}", op=self.op, process_set=process_set,
@@ -223,10 +221,7 @@ class GradientReduction:
         for name in self.params:  # in the model's order on every rank
             if name not in self.in_flight:
                 self._start(name)
-        for name, started in self.in_flight.items():
-            if started is None:
-                continue
-            handle, sent, context = started
+        for name, (handle, sent, context) in self.in_flight.items():
             hvd.synchronize(handle)  # Horovod: wait for the allreduce
             grad = self.params[name][0].grad
             if sent is not grad:  # reduced in a compressed copy: back into the gradient
@@ -283,6 +278,20 @@ def write_part(tmp, model, optimizer, expert_names: set[str], groups: ExpertGrou
     weights = slices(model.state_dict(), lambda key: key)
     state = slices(checkpoint.optimizer_tensors(optimizer, model), lambda key: key.split("::", 1)[0])
     return checkpoint.write_slices(tmp, groups.rank, groups.size, weights, state)
+
+
+def expert_copies(model, expert_names: set[str], groups: ExpertGroups, op: str) -> dict[int, Copies]:
+    """parallel.shard (a ShardedOptimizer's `elsewhere`): each expert weight is sharded over the
+    ranks holding the same experts, its reduced gradient averaged over e ranks more (horovod.op
+    average: as GradientReduction's), and its rows start at this rank's first expert's in the
+    whole tensor."""
+    out = {}
+    for name, p in model.named_parameters():
+        if name in expert_names:
+            out[id(p)] = Copies(groups.same_experts_set, groups.copy, groups.copies,
+                                1.0 / groups.size if op == "average" else 1.0, groups.rank * p.numel(),
+                                (p.shape[0] * groups.size, *p.shape[1:]))
+    return out
 
 
 def local_rows(model, expert_names: set[str], groups: ExpertGroups):

@@ -118,16 +118,38 @@ def off_the_wire(whole: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @dataclass
+class Copies:
+    """The copies that hold the same tensor as this rank, among which it is sharded: all the
+    optimizer's, or (expert parallelism) those holding the same experts."""
+    process_set: object         # their Horovod process set
+    rank: int                   # this rank among them
+    size: int
+    postscale: float = 1.0      # on the reduced gradient (experts': averaged over e ranks more)
+    offset: int = 0             # where this rank's tensor starts in the flattened whole one (checkpoints)
+    whole_shape: tuple | None = None  # the whole tensor's shape; None: this rank's tensor's
+
+
+@dataclass
 class _Slice:
     """This copy's part of one parameter."""
     name: str
     param: torch.nn.Parameter
+    copies: Copies
     start: int
     end: int
     master: torch.Tensor           # fp32 [end - start]: the weights' own values, or a copy of them
     main_grad: torch.Tensor | None = None  # 16-bit weights: the fp32 sum of the step's gradients
     passes: int = 0                # backward passes of this step that reached the parameter
     reduced: bool = False          # a reduced slice taken (added into master.grad), this step
+
+    @property
+    def saved_range(self) -> tuple[int, int]:
+        """[start, end) of this slice in the flattened whole tensor a checkpoint holds."""
+        return self.copies.offset + self.start, self.copies.offset + self.end
+
+    @property
+    def saved_shape(self) -> tuple:
+        return self.copies.whole_shape or self.param.shape
 
 
 class ShardedOptimizer:
@@ -147,7 +169,8 @@ class ShardedOptimizer:
     def __init__(self, model: torch.nn.Module, train_cfg, peak_lr: float, device: torch.device, horovod_cfg,
                  backward_passes: int, rank: int, size: int, process_set=None, reduce_during: bool = True,
                  compute_dtype: torch.dtype = torch.float32, not_counted=(), level: str = "optimizer",
-                 masters: dict[int, torch.Tensor] | None = None, tensor_group: dist.ProcessGroup | None = None):
+                 masters: dict[int, torch.Tensor] | None = None, tensor_group: dist.ProcessGroup | None = None,
+                 elsewhere: dict[int, Copies] | None = None):
         """`rank` of `size`: this copy among those that reduce the model's gradients, the Horovod
         `process_set` (default: all workers). `backward_passes`: micro batches per step.
         `compute_dtype`: the weights' dtype (bfloat16: the weights are cast, fp32 masters kept).
@@ -158,28 +181,30 @@ class ShardedOptimizer:
         (sharded_weights.materialise_slices); the others are taken from the weights.
         `tensor_group`: with tensor parallelism (hvdtrain.parallel.tensor_parallel) the ranks that
         hold the other slices of the split layers; a split parameter (a DTensor) is sharded here as
-        its local tensor, the one this rank holds, over the copies holding the same slices."""
+        its local tensor, the one this rank holds, over the copies holding the same slices.
+        `elsewhere`: the parameters sharded over other copies than the optimizer's, by
+        id(parameter) (expert parallelism: the experts' weights, expert_parallel.expert_copies)."""
         self.model, self.rank, self.size, self.level = model, rank, size, level
         self.tensor_group = tensor_group
         # ZeRO-2 and 3: every micro batch's gradients are reduce-scattered, not only the last's
         self.every_pass = level in ("gradients", "full")
         self.process_set = process_set if process_set is not None else hvd.global_process_set
         self.backward_passes, self.reduce_during, self.compute_dtype = backward_passes, reduce_during, compute_dtype
-        op = {"average": hvd.Average, "sum": hvd.Sum}[horovod_cfg.op]
-        f = horovod_cfg.gradient_predivide_factor
-        self.reduce_args = dict(op=op, process_set=self.process_set,
-                                **({"prescale_factor": 1.0 / f, "postscale_factor": f} if op == hvd.Average else {}))
+        self.op = {"average": hvd.Average, "sum": hvd.Sum}[horovod_cfg.op]
+        self.predivide = horovod_cfg.gradient_predivide_factor if self.op == hvd.Average else 1.0
+        everyone, elsewhere = Copies(self.process_set, rank, size), elsewhere or {}
         self.slices = []
         for name, p in model.named_parameters():
             if not p.requires_grad:
                 continue
-            start, end = shard_range(local(p).numel(), rank, size)
+            copies = elsewhere.get(id(p), everyone)
+            start, end = shard_range(local(p).numel(), copies.rank, copies.size)
             if masters and id(p) in masters:
                 master = masters[id(p)]
             else:  # fp32 weights kept whole: the master slice is a view into them; else its own copy
                 own = local(p.detach()).view(-1)[start:end]
                 master = own if compute_dtype == torch.float32 and level != "full" else own.float().clone()
-            self.slices.append(_Slice(name, p, start, end, master))
+            self.slices.append(_Slice(name, p, copies, start, end, master))
         if compute_dtype != torch.float32:  # after the masters took the fp32 values
             for s in self.slices:
                 if is_split(s.param):  # a DTensor's .data keeps its dtype: swap in a cast copy (the same object)
@@ -226,7 +251,7 @@ class ShardedOptimizer:
 
     def _start_reduce(self, s: _Slice, grad: torch.Tensor):
         # Horovod: reduce-scatter, in the background while backward goes on
-        handle = hvd.reducescatter_async(grad, name=f"shard.{s.name}.{s.passes}", **self.reduce_args)
+        handle = hvd.reducescatter_async(grad, name=f"shard.{s.name}.{s.passes}", **self._reduce_args(s.copies))
         self.in_flight.append((s, handle, grad.numel() * grad.element_size()))
         self.in_flight_bytes += self.in_flight[-1][2]
         self._collect_done()
@@ -282,16 +307,25 @@ class ShardedOptimizer:
         for bucket in self._buckets(slices):
             # Horovod: grouped reduce-scatter of gradients not yet reduced
             handle = hvd.grouped_reducescatter_async([self._full_grad(s) for s in bucket],
-                                                     name=f"shard.grads.{bucket[-1].name}", **self.reduce_args)
+                                                     name=f"shard.grads.{bucket[-1].name}",
+                                                     **self._reduce_args(bucket[0].copies))
             for s, reduced in zip(bucket, hvd.synchronize(handle)):
                 self._take(s, reduced)
 
+    def _reduce_args(self, copies: Copies) -> dict:
+        """The reduce-scatter's op, process set and scale factors (as hvd.DistributedOptimizer's:
+        horovod.op, gradient_predivide_factor) for a tensor sharded over `copies`."""
+        return dict(op=self.op, process_set=copies.process_set, prescale_factor=1.0 / self.predivide,
+                    postscale_factor=self.predivide * copies.postscale)
+
     @staticmethod
     def _buckets(slices: list[_Slice]):
-        """`slices` in consecutive groups of at most BUCKET_BYTES of fp32 (one slice alone if larger)."""
+        """`slices` in consecutive groups of at most BUCKET_BYTES of fp32 (one slice alone if
+        larger), each sharded over the same copies (one process set per grouped collective)."""
         bucket, size = [], 0
         for s in slices:
-            if bucket and size + 4 * local(s.param).numel() > BUCKET_BYTES:
+            if bucket and (size + 4 * local(s.param).numel() > BUCKET_BYTES
+                           or s.copies.process_set is not bucket[0].copies.process_set):
                 yield bucket
                 bucket, size = [], 0
             bucket.append(s)
@@ -366,8 +400,8 @@ class ShardedOptimizer:
             return
         for bucket in self._buckets(self.slices):
             # Horovod: grouped allgather of the updated slices, in the weights' dtype
-            gathered = hvd.grouped_allgather([on_the_wire(s) for s in bucket],
-                                             name=f"shard.weights.{bucket[-1].name}", process_set=self.process_set)
+            gathered = hvd.grouped_allgather([on_the_wire(s) for s in bucket], name=f"shard.weights.{bucket[-1].name}",
+                                             process_set=bucket[0].copies.process_set)
             for s, whole in zip(bucket, gathered):
                 local(s.param.detach()).view(-1).copy_(off_the_wire(whole, s.param.dtype))
 
@@ -380,7 +414,7 @@ class ShardedOptimizer:
     def write_part(self, tmp, index: int, count: int) -> dict[str, dict]:
         """This copy's slices of the fp32 weights and of the optimizer state, under the
         parameters' names (checkpoint.write_slices); the first copy adds the model's buffers."""
-        weights = {s.name: (s.master, s.start, s.param.shape) for s in self.slices if s.end > s.start}
+        weights = {s.name: (s.master, s.saved_range[0], s.saved_shape) for s in self.slices if s.end > s.start}
         if self.rank == 0:
             names = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
             weights.update({k: v for k, v in self.model.state_dict().items() if k not in names})
@@ -389,7 +423,7 @@ class ShardedOptimizer:
             if s.end == s.start:  # a parameter smaller than the copies: this one holds none of it
                 continue
             for key, value in self.inner.state.get(s.master, {}).items():
-                state[f"{s.name}::{key}"] = value if value.dim() == 0 else (value, s.start, s.param.shape)
+                state[f"{s.name}::{key}"] = value if value.dim() == 0 else (value, s.saved_range[0], s.saved_shape)
         return checkpoint.write_slices(tmp, index, count, weights, state)
 
     def gathered(self) -> tuple[dict, dict]:
@@ -404,7 +438,7 @@ class ShardedOptimizer:
             moments = [k for k in STATE_FIELDS if k in fields and fields[k].dim()]
             # Horovod: grouped allgather over the copies of the weights' and the moments' slices
             whole = hvd.grouped_allgather([s.master.detach()] + [fields[k] for k in moments],
-                                          name=f"shard.gather.{s.name}", process_set=self.process_set)
+                                          name=f"shard.gather.{s.name}", process_set=s.copies.process_set)
             shaped = [like(s.param, w.view(local(s.param).shape)) for w in whole]
             weights[s.name] = shaped[0]
             state.update({f"{s.name}::{k}": v for k, v in zip(moments, shaped[1:])})
@@ -424,7 +458,7 @@ class ShardedOptimizer:
             return [s.name, *aliases.get(s.name, [])]
 
         def read(s):  # the range of the saved tensor that holds this slice
-            return (s.start, s.end) if place is None else (0, s.param.numel())
+            return s.saved_range if place is None else (0, s.param.numel())
 
         def mine(s, values):  # this slice of what was read
             if place is None or values is None or not values.dim():

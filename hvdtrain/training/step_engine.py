@@ -197,11 +197,14 @@ class ExpertParallelStep(PlainStep):
     the dense gradients are allreduced over all workers, the experts' over the ranks holding the
     same experts (expert_parallel.GradientReduction); the norm counts each expert once."""
 
-    def __init__(self, *args, groups, horovod: HorovodConfig, micro_batch_shape: tuple[int, int], grad_accum: int):
+    def __init__(self, *args, groups, horovod: HorovodConfig, micro_batch_shape: tuple[int, int], grad_accum: int,
+                 reduce: bool = True):
+        """`reduce`: allreduce the gradients (False: a ShardedStep around this one reduce-scatters them)."""
         super().__init__(*args)
         self.groups, self.micro_batch_shape = groups, micro_batch_shape
         self.expert_names = expert_parallel.expert_weight_names(self.model)
-        self.reduction = expert_parallel.GradientReduction(self.model, self.expert_names, groups, horovod, grad_accum)
+        self.reduction = (expert_parallel.GradientReduction(self.model, self.expert_names, groups, horovod, grad_accum)
+                          if reduce else None)
 
     def reduce_gradients(self):
         self.reduction.wait()  # Horovod: wait for the allreduces started in backward
@@ -458,7 +461,8 @@ def build_engine(cfg: Config, device, model, optimizer, scaler, grad_accum: int,
             engine = TensorParallelStep(*args, groups=tensor_groups, horovod=cfg.horovod)
         elif expert_groups is not None:
             engine = ExpertParallelStep(*args, groups=expert_groups, horovod=cfg.horovod,
-                                        micro_batch_shape=(t.micro_batch_size, cfg.data.seq_len), grad_accum=grad_accum)
+                                        micro_batch_shape=(t.micro_batch_size, cfg.data.seq_len), grad_accum=grad_accum,
+                                        reduce=cfg.parallel.shard == "none")
         else:
             engine = StandInStep(*args, grad_accum=grad_accum) if stand_in else PlainStep(*args)
     else:

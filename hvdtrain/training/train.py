@@ -212,9 +212,10 @@ def build_model_and_optimizer(cfg: Config, data: DataBundle, device, grad_accum:
     blueprint, model, aliases = stage_blueprint(cfg, data, layout, bounds)
     compute_dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
     masters = None
-    if par.shard != "none" and tensor_groups is None:  # made real a unit at a time, each put where training keeps it (its slices)
+    if par.shard != "none" and tensor_groups is None and expert_groups is None:  # made real a unit at a time,
+        # each put where training keeps it (its slices); split layers or experts: made whole, then split
         masters = materialise_slices(blueprint, model, shard, shards, compute_dtype, device, par.shard)
-    else:  # only now real: initialised per module, or read from model.pretrained (split layers: whole, then split)
+    else:  # only now real: initialised per module, or read from model.pretrained
         blueprint.materialise(model)
     if expert_groups is not None:  # every rank made every expert alike; this rank's are kept
         expert_parallel.split_experts(model, family_of(model).modeling().PARTS.is_experts, expert_groups)
@@ -235,7 +236,10 @@ def build_model_and_optimizer(cfg: Config, data: DataBundle, device, grad_accum:
                                      copies, reduce_during=not reduce_after,
                                      compute_dtype=compute_dtype, level=par.shard, masters=masters,
                                      not_counted=pipeline.tied_parameters(model).values() if tied_copy else (),
-                                     tensor_group=tensor_groups.group if tensor_groups else None)
+                                     tensor_group=tensor_groups.group if tensor_groups else None,
+                                     elsewhere=expert_parallel.expert_copies(
+                                         model, expert_parallel.expert_weight_names(model), expert_groups,
+                                         cfg.horovod.op) if expert_groups else None)
     else:
         optimizer = build_optimizer(model, t, peak_lr, device)
         if not reduce_after and expert_groups is None and tensor_groups is None:  # split: reduced after backward
