@@ -90,6 +90,16 @@ def train_workers(np: int, config: Path, *overrides, worker: str = "train_and_du
     return proc
 
 
+def train_sharded_across_layouts(config: Path, out_dir: Path, split: str):
+    """4 workers split by the override `split` with parallel.shard=optimizer to step 4, 2 workers
+    unsplit and unsharded to step 6, 4 split with parallel.shard=gradients to the end: a run
+    whose sharded checkpoints are written and read at other layouts."""
+    train_workers(4, config, f"out_dir={out_dir}", split, "parallel.shard=optimizer", "train.stop_at_step=4",
+                  timeout=600)
+    train_workers(2, config, f"out_dir={out_dir}", "train.stop_at_step=6")
+    train_workers(4, config, f"out_dir={out_dir}", split, "parallel.shard=gradients", timeout=600)
+
+
 def training_workers(out_dir) -> list[int]:
     """The pids of this run's training workers (python -m hvdtrain.cli train ... out_dir=...)."""
     import psutil

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import (REPO, WORKERS, assert_same_losses, assert_same_params, horovodrun, load_params, read_metrics,
-                     step_losses, train_workers)
+                     step_losses, train_sharded_across_layouts, train_workers)
 from hvdtrain.checkpointing import checkpoint
 from hvdtrain.parallel.expert_parallel import ExpertGroups, local_rows
 
@@ -161,11 +161,7 @@ def test_sharded_optimizer_over_the_copies_of_each_expert(tmp_path, tiny_config)
     config = tiny_config({**MOE, "train": {**MOE["train"], "micro_batch_size": 1}})
     one, moved = tmp_path / "np1", tmp_path / "moved"
     train_workers(1, config, f"out_dir={one}")
-    split = ("parallel.expert_parallel=2",)
-    train_workers(4, config, f"out_dir={moved}", *split, "parallel.shard=optimizer", "train.stop_at_step=4",
-                  timeout=600)
-    train_workers(2, config, f"out_dir={moved}", "train.stop_at_step=6")
-    train_workers(4, config, f"out_dir={moved}", *split, "parallel.shard=gradients", timeout=600)
+    train_sharded_across_layouts(config, moved, "parallel.expert_parallel=2")
     assert_same_losses(step_losses(one), step_losses(moved), min_steps=8)
     for a, b in zip(read_metrics(one)[0], read_metrics(moved)[0]):
         assert a["aux_loss"] == pytest.approx(b["aux_loss"], rel=1e-5)

@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import assert_same_losses, assert_same_params, load_params, read_metrics, step_losses, train_workers
+from helpers import (assert_same_losses, assert_same_params, load_params, read_metrics, step_losses,
+                     train_sharded_across_layouts, train_workers)
 
 pytestmark = pytest.mark.workers
 
@@ -99,9 +100,5 @@ def test_sharded_optimizer_over_the_copies_of_each_slice(tmp_path, tiny_config):
     config = tiny_config(LLAMA)
     one, moved = tmp_path / "np1", tmp_path / "moved"
     train_workers(1, config, f"out_dir={one}")
-    split = ("parallel.tensor_parallel=2",)
-    train_workers(4, config, f"out_dir={moved}", *split, "parallel.shard=optimizer", "train.stop_at_step=4",
-                  timeout=600)
-    train_workers(2, config, f"out_dir={moved}", "train.stop_at_step=6")
-    train_workers(4, config, f"out_dir={moved}", *split, "parallel.shard=gradients", timeout=600)
+    train_sharded_across_layouts(config, moved, "parallel.tensor_parallel=2")
     assert_trains_as_one_worker(one, moved)
