@@ -66,6 +66,14 @@ outruns them waits for the oldest. A pipeline that reduces after its runs reduce
 copies, the weights' only home, gathered unit by unit by hvdtrain.parallel.sharded_weights, so
 `step` allgathers nothing.
 
+Split layers and experts: with tensor parallelism (`tensor_group`) a split weight is sharded as
+its local tensor (the DTensor's, this rank's slice of it) over the copies holding the same
+slices, and its squares summed over the group too; a checkpoint gathers each rank's local
+tensors over its copies (`gathered`) for tensor_parallel.whole_state. With expert parallelism
+(`elsewhere`) each expert weight is sharded over the ranks holding the same experts (its
+`Copies`: their process set, the extra 1/e of an averaged gradient, its rows' offset in the
+whole tensor), the dense weights over all; grouped collectives take one process set each.
+
 Checkpoints (hvdtrain.checkpointing.checkpoint.write_slices): every copy writes its slices of the fp32
 weights and of the optimizer state under the parameters' names; any layout, sharded or not,
 reads them back (checkpoint.read_ranges reads only the range a slice needs).
