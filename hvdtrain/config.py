@@ -392,8 +392,7 @@ class ParallelConfig:
     # with torch.distributed.tensor.parallel; the workers / t copies are data parallel as without.
     # Must divide the workers, model.n_head and model.n_kv_head. With parallel.shard optimizer or
     # gradients each rank's slices are sharded over the copies holding the same ones. Not yet with
-    # model.arch mixtral, train.precision fp16, pipeline stages, parallel.shard full or expert
-    # parallelism. 1: whole layers.
+    # model.arch mixtral, pipeline stages, parallel.shard full or expert parallelism. 1: whole layers.
     tensor_parallel: int = 1
 
     def check(self):
@@ -708,8 +707,9 @@ def validate(cfg: Config):
                  "(LAMB's trust ratio needs the norm of each whole expert weight)", cfg.train.optimizer)
     if par.tensor_parallel > 1:
         t = par.tensor_parallel
-        _require(m.arch != "mixtral", "parallel.tensor_parallel",
-                 f"1 with model.arch {m.arch!r} (split experts' layers are not supported yet)", t)
+        # the family's ModelParts.tensor_plan says how its layers split; None: not yet
+        _require(family(m.arch).modeling().PARTS.tensor_plan is not None, "parallel.tensor_parallel",
+                 f"1 with model.arch {m.arch!r} (its layers are not split yet)", t)
         for key, heads in (("model.n_head", m.n_head), ("model.n_kv_head", m.n_kv_head)):
             _require(m.pretrained or heads is None or heads % t == 0, "parallel.tensor_parallel",
                      f"a divisor of {key} ({heads}): each worker holds {key} / t heads", t)
@@ -720,9 +720,6 @@ def validate(cfg: Config):
                      value)
         _require(par.shard != "full", "parallel.shard", "'none', 'optimizer' or 'gradients' with "
                  "parallel.tensor_parallel > 1 (gathering split weights unit by unit is not supported yet)", par.shard)
-        # torch.amp.GradScaler's unscale kernel refuses DTensor gradients (torch 2.13)
-        _require(cfg.train.precision != "fp16", "train.precision", "'fp32' or 'bf16' with parallel.tensor_parallel > 1 "
-                 "(fp16's grad scaler does not take the split weights' gradients)", cfg.train.precision)
     # Cross-section: sharding reduce-scatters the gradients itself, uncompressed.
     _require(par.shard == "none" or cfg.horovod.compression == "none", "horovod.compression",
              f"'none' with parallel.shard={par.shard!r} (the gradients are reduce-scattered in their own dtype)",

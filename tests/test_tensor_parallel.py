@@ -3,13 +3,16 @@ over t ranks with torch.distributed.tensor.parallel, through real horovodrun wor
 dropout 0, clipping active). t=2 trains as one worker does (Llama with grouped-query attention,
 BERT); t=2 x 2 copies (4 workers) too; each rank holds its slices of the one-worker model; a
 checkpoint written at t=2 resumes at t=1 and one written at t=1 at t=2; the export is the whole
-model. (Bad input: test_errors.)"""
+model; fp16 skips a step on every rank of a group when one slice finds inf. (Bad input: test_errors.)"""
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import (assert_same_losses, assert_same_params, load_params, read_metrics, step_losses,
-                     train_sharded_across_layouts, train_workers)
+from helpers import (WORKERS, assert_same_losses, assert_same_params, horovodrun, load_params, read_metrics,
+                     step_losses, train_sharded_across_layouts, train_workers)
+from test_pipeline import unsplit_fp16_skips
 
 pytestmark = pytest.mark.workers
 
@@ -102,3 +105,30 @@ def test_sharded_optimizer_over_the_copies_of_each_slice(tmp_path, tiny_config):
     train_workers(1, config, f"out_dir={one}")
     train_sharded_across_layouts(config, moved, "parallel.tensor_parallel=2")
     assert_trains_as_one_worker(one, moved)
+
+
+def test_fp16_a_slice_s_inf_skips_the_step_on_every_rank_of_the_group(tmp_path):
+    """fp16: the grad scaler unscales the split gradients as their local tensors
+    (tensor_parallel.LocalGradScaler); when only rank 1's slice holds inf, rank 0 skips the step
+    too, and both scalers back off and count as the whole model's one scaler does."""
+    proc = horovodrun(2, [WORKERS / "tensor_fp16_skips.py", tmp_path])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = unsplit_fp16_skips()
+    assert [s["stepped"] for s in expected] == [True, True, False, True]
+    for rank in (0, 1):
+        states = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert states == expected
+
+
+def test_fp16_two_slices_train_as_one_worker(tmp_path, tiny_config):
+    """GPT-2 in fp16 (autocast, dynamic loss scale): t=2 follows one worker's losses and gradient
+    norms within fp16's rounding (seen: 3e-5 and 1e-3 relative) and skips the same steps."""
+    config = tiny_config({**GPT2, "train": {**GPT2["train"], "precision": "fp16"}})
+    one, split = tmp_path / "np1", tmp_path / "t2"
+    train_workers(1, config, f"out_dir={one}")
+    train_workers(2, config, f"out_dir={split}", "parallel.tensor_parallel=2")
+    for a, b in zip(read_metrics(one)[0], read_metrics(split)[0], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-3)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-2) and a["grad_norm"] > 0.5  # clipped
+        assert b["skipped_steps"] == a["skipped_steps"]
+    assert len(read_metrics(split)[0]) == 8

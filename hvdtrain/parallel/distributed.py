@@ -259,6 +259,18 @@ class TokenNormalizer:
         torch._foreach_mul_(grads, factor)
 
 
+def clip_split_grad_norm_(whole: list, split: list, sum_split, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ over a model split over a group of ranks: `whole`
+    gradients are equal on every rank of it (counted once), each rank holds its own `split` ones
+    (their squares summed over the group by `sum_split`, a collective returning the sum); every
+    gradient multiplied by the same coefficient, as clip_grads_with_norm_ does. Plain tensors (a
+    DTensor's local one). Returns the total norm before clipping."""
+    norm = torch.nn.utils.get_total_norm
+    total = (norm(whole) ** 2 + sum_split(norm(split) ** 2)).sqrt()
+    torch._foreach_mul_(whole + split, (max_norm / (total + 1e-6)).clamp(max=1.0))
+    return total
+
+
 def zero_grad(optimizer):
     """optimizer.zero_grad(set_to_none=True) for Horovod's wrapper, whose zero_grad() takes no
     arguments. Same guard as Horovod: never between backward and synchronize."""

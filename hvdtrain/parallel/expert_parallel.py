@@ -240,13 +240,11 @@ def clip_grad_norm_(model, expert_names: set[str], groups: ExpertGroups, max_nor
     """torch.nn.utils.clip_grad_norm_ over the whole model: the dense gradients (equal on every
     rank) counted once, every expert's once (its group's ranks hold different ones)."""
     dense, experts = parameters_by_kind(model, expert_names)
-    norm = torch.nn.utils.get_total_norm
-    expert_squares = norm([p.grad for p in experts if p.grad is not None]) ** 2
-    # Horovod: allreduce (sum) of the squared norms of the group's experts
-    expert_squares = hvd.allreduce(expert_squares, op=hvd.Sum, name="grads.expert_norm", process_set=groups.group_set)
-    total = (norm([p.grad for p in dense if p.grad is not None]) ** 2 + expert_squares).sqrt()
-    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, total)
-    return total
+
+    def sum_over_group(squares):  # Horovod: allreduce (sum) of the squared norms of the group's experts
+        return hvd.allreduce(squares, op=hvd.Sum, name="grads.expert_norm", process_set=groups.group_set)
+    return distributed.clip_split_grad_norm_([p.grad for p in dense if p.grad is not None],
+                                             [p.grad for p in experts if p.grad is not None], sum_over_group, max_norm)
 
 
 def share_found_inf(scaler: torch.amp.GradScaler, optimizer, groups: ExpertGroups):

@@ -403,16 +403,3 @@ def clip_grad_norm_(stage: StageModule, max_norm: float, groups: Groups) -> torc
     total = squares.sqrt()
     torch.nn.utils.clip_grads_with_norm_(stage.parameters(), max_norm, total)
     return total
-
-
-def share_found_inf(scaler: torch.amp.GradScaler, optimizer, groups: Groups):
-    """fp16: make the grad scaler of every stage of this pipeline see inf when any stage's
-    unscale_ found one, so that all stages skip the same steps and their scalers back off (and
-    restart their growth count) as the unsplit model's one scaler does. The scaler's own flags
-    are replaced in place by their maximum along the pipeline: no host read. Call after
-    scaler.unscale_ and after the data-parallel reduction (it spreads inf/nan to every copy)."""
-    flags = list(scaler._found_inf_per_device(optimizer).values())  # one per device, from unscale_
-    found = torch.stack(flags).amax()
-    dist.all_reduce(found, op=dist.ReduceOp.MAX, group=groups.pipeline)  # torch.distributed: allreduce (max)
-    for flag in flags:
-        flag.copy_(found)

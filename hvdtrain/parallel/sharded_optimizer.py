@@ -89,6 +89,7 @@ from hvdtrain.checkpointing import checkpoint
 from hvdtrain.parallel import pipeline
 from hvdtrain.parallel.tensor_parallel import is_split, like, local
 from hvdtrain.optim.optimizers import optimizer_for
+from hvdtrain.training.run_guards import share_found_inf
 
 try:  # as in distributed.py
     import horovod.torch as hvd
@@ -385,7 +386,8 @@ class ShardedOptimizer:
 
     def agree_found_inf(self, scaler: torch.amp.GradScaler, groups=None):
         """fp16: after scaler.unscale_(self), each copy found inf in its own slices only; make
-        every copy's (and every stage's) scaler see the maximum, so that all skip together."""
+        every copy's (and every stage's, every slice's) scaler see the maximum, so that all skip
+        together."""
         flags = list(scaler._found_inf_per_device(self).values())
         # Horovod: allreduce (max) over the copies
         found = hvd.allreduce(torch.stack(flags).amax().reshape(1), name="shard.found_inf", op=hvd.Max,
@@ -393,7 +395,9 @@ class ShardedOptimizer:
         for flag in flags:
             flag.copy_(found.reshape(flag.shape))
         if groups is not None:  # torch.distributed: allreduce (max) along the pipeline
-            pipeline.share_found_inf(scaler, self, groups)
+            share_found_inf(scaler, self, groups.pipeline)
+        if self.tensor_group is not None:  # torch.distributed: allreduce (max) over the tensor group
+            share_found_inf(scaler, self, self.tensor_group)
 
     # ------------------------------------------------------------ the step
 

@@ -21,11 +21,14 @@ gradient equal on every rank of a group.
                 gradient is reduced as its local tensor (`to_local()`, the same storage)
     norm        every slice's squares summed over the group, the whole parameters' counted
                 once (clip_grad_norm_)
+    fp16        each rank unscales its local tensors (LocalGradScaler); the group skips a step
+                when one of its ranks found inf
     checkpoint  the whole tensors, gathered over the group (whole_tensors) and written by rank 0
                 as without tensor parallelism, so that any t resumes any other and the Hugging
                 Face export reads it as any other; a resume reads them whole and keeps each
                 rank's slice (placed)
 """
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -197,6 +200,26 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------- gradients
 
+class LocalGradScaler(torch.amp.GradScaler):
+    """fp16's grad scaler for a model with split weights. torch's unscale kernel refuses one list
+    of DTensor and plain gradients (torch 2.13), so this one unscales every gradient as its
+    local tensor (the same storage), overriding the method that FSDP's ShardedGradScaler
+    overrides too. Each rank then found inf in its own slices only: the step engine shares the
+    flag over the group (run_guards.share_found_inf). The gradients are the fp32 weights' (fp16
+    is autocast's), on this worker's one device."""
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        by_dtype = defaultdict(list)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    by_dtype[p.grad.dtype].append(local(p.grad))
+        with torch.no_grad():
+            for grads in by_dtype.values():  # as torch's: multiplied by inv_scale, found_inf set on inf/NaN
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        return {found_inf.device: found_inf}
+
+
 def reduce_gradients(model, groups: TensorGroups, horovod_cfg):
     """Allreduce every gradient over the copies holding the same slices (one grouped Horovod
     allreduce, after backward), as local tensors."""
@@ -213,14 +236,14 @@ def clip_grad_norm_(model, groups: TensorGroups, max_norm: float) -> torch.Tenso
     """torch.nn.utils.clip_grad_norm_ over the whole model: the squares of the split weights'
     slices summed over the group, the whole ones (equal on every rank) counted once."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm
-    split_squares = norm([local(g) for g in grads if is_split(g)]) ** 2
-    dist.all_reduce(split_squares, group=groups.group)  # torch.distributed: allreduce (sum) over the group
-    total = (norm([local(g) for g in grads if not is_split(g)]) ** 2 + split_squares).sqrt()
-    # as torch.nn.utils.clip_grads_with_norm_ does, on the local tensors (it takes parameters,
-    # and one list of DTensor and plain gradients would not go through its foreach kernel)
-    torch._foreach_mul_([local(g) for g in grads], (max_norm / (total + 1e-6)).clamp(max=1.0))
-    return total
+
+    def sum_over_group(squares):
+        dist.all_reduce(squares, group=groups.group)  # torch.distributed: allreduce (sum) over the group
+        return squares
+    # on the local tensors (a row-wise bias is a whole DTensor): one list of DTensor and plain
+    # gradients would not go through torch's foreach kernels
+    return distributed.clip_split_grad_norm_([local(g) for g in grads if not is_split(g)],
+                                             [local(g) for g in grads if is_split(g)], sum_over_group, max_norm)
 
 
 # ---------------------------------------------------------------- checkpoints

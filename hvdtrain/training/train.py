@@ -246,7 +246,9 @@ def build_model_and_optimizer(cfg: Config, data: DataBundle, device, grad_accum:
             # Horovod: DistributedOptimizer, allreduce of gradients from backward hooks
             optimizer = distributed.wrap_optimizer(optimizer, model, cfg.horovod, grad_accum,
                                                    groups.process_set if groups else None)
-    scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
+    # fp16: split weights' gradients are unscaled as their local tensors
+    grad_scaler = tensor_parallel.LocalGradScaler if tensor_groups is not None else torch.amp.GradScaler
+    scaler = grad_scaler(device.type, enabled=t.precision == "fp16")
     return model, optimizer, scaler, aliases, peak_lr, reduce_after
 
 
