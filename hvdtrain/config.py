@@ -707,8 +707,7 @@ def validate(cfg: Config):
                  "(LAMB's trust ratio needs the norm of each whole expert weight)", cfg.train.optimizer)
     if par.tensor_parallel > 1:
         t = par.tensor_parallel
-        # the family's ModelParts.tensor_plan says how its layers split; None: not yet
-        _require(family(m.arch).modeling().PARTS.tensor_plan is not None, "parallel.tensor_parallel",
+        _require(family(m.arch).splits_layers, "parallel.tensor_parallel",
                  f"1 with model.arch {m.arch!r} (its layers are not split yet)", t)
         for key, heads in (("model.n_head", m.n_head), ("model.n_kv_head", m.n_kv_head)):
             _require(m.pretrained or heads is None or heads % t == 0, "parallel.tensor_parallel",

@@ -4,6 +4,7 @@ import pytest
 
 from hvdtrain.config import last_step_of_run, load_config
 from hvdtrain.errors import UserError
+from hvdtrain.models import NAMES, family
 
 
 def test_overrides_are_typed_and_exponents_without_a_dot_are_numbers(tmp_path):
@@ -99,3 +100,9 @@ def test_the_ends_of_the_ranges_are_accepted():
                              "horovod.fusion_threshold_mb=0", "profile.wait=0", "profile.warmup=0"])
     assert (cfg.train.seed, cfg.model.d_model // cfg.model.n_head) == (0, 2)
     assert load_config(None, ["train.seed=4294967295", "model.d_model=36", "model.n_head=4"]).train.seed == 2 ** 32 - 1
+
+
+@pytest.mark.parametrize("arch", NAMES)
+def test_a_family_splits_its_layers_where_it_has_a_tensor_plan(arch):
+    """The config check reads Family.splits_layers (no torch import); training reads the plan."""
+    assert family(arch).splits_layers == (family(arch).modeling().PARTS.tensor_plan is not None)

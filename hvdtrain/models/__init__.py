@@ -84,6 +84,9 @@ class Family:
     # Rotary position embeddings (Llama, ModernBERT): they turn pairs of each head's dimensions,
     # so the head dimension d_model / n_head must be even.
     rotary: bool = False
+    # parallel.tensor_parallel can split its layers (its ModelParts.tensor_plan, which the
+    # config check cannot read without importing torch)
+    splits_layers: bool = True
 
     @property
     def objective(self) -> str:

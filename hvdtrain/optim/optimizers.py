@@ -1,5 +1,6 @@
 """The optimizer a recipe asks for: AdamW (fused on GPUs) or LAMB (hvdtrain.optim.lamb)."""
 import torch
+from torch.distributed.tensor import DTensor
 
 from hvdtrain.config import TrainConfig
 from hvdtrain.optim.lamb import Lamb
@@ -16,8 +17,13 @@ def optimizer_for(tensors: list, decayed: list[bool], cfg: TrainConfig, peak_lr:
     """The optimizer over `tensors`, with weight decay where `decayed` says (the parameters
     themselves, or the slices of them that hvdtrain.parallel.sharded_optimizer steps). `lamb_norms`: see
     Lamb's `norms_across_shards`."""
-    groups = [{"params": [t for t, d in zip(tensors, decayed) if d], "weight_decay": cfg.weight_decay},
-              {"params": [t for t, d in zip(tensors, decayed) if not d], "weight_decay": 0.0}]
+    # torch's fused and foreach kernels take each group's tensors as one list and refuse one that
+    # mixes DTensors (parallel.tensor_parallel's split layers) with plain tensors: DTensors get
+    # groups of their own (checkpoints name the state by parameter, not by group)
+    kinds = (False, True) if any(isinstance(t, DTensor) for t in tensors) else (False,)
+    groups = [{"params": [t for t, d in zip(tensors, decayed) if d == decay and isinstance(t, DTensor) == split],
+               "weight_decay": cfg.weight_decay if decay else 0.0}
+              for split in kinds for decay in (True, False)]
     if cfg.optimizer == "lamb":
         return Lamb(groups, lr=peak_lr, betas=tuple(cfg.betas), eps=cfg.eps, norms_across_shards=lamb_norms)
     return torch.optim.AdamW(groups, lr=peak_lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=device.type == "cuda")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from hvdtrain.training import rng
 from hvdtrain.config import Config, HorovodConfig
@@ -269,6 +270,20 @@ def clip_split_grad_norm_(whole: list, split: list, sum_split, max_norm: float) 
     total = (norm(whole) ** 2 + sum_split(norm(split) ** 2)).sqrt()
     torch._foreach_mul_(whole + split, (max_norm / (total + 1e-6)).clamp(max=1.0))
     return total
+
+
+def share_found_inf(scaler: torch.amp.GradScaler, optimizer, group: dist.ProcessGroup):
+    """fp16: make the grad scaler of every rank of `group` (the stages of a pipeline, the ranks
+    of a tensor-parallel group) see inf when any one's unscale_ found one in the gradients it
+    holds, so that all skip the same steps and their scalers back off (and restart their
+    growth count) as the whole model's one scaler does. The scaler's own flags are replaced in
+    place by their maximum over the group: no host read. Call after scaler.unscale_ and after
+    the data-parallel reduction (it spreads inf/nan to every copy)."""
+    flags = list(scaler._found_inf_per_device(optimizer).values())  # one per device, from unscale_
+    found = torch.stack(flags).amax()
+    dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)  # torch.distributed: allreduce (max)
+    for flag in flags:
+        flag.copy_(found)
 
 
 def zero_grad(optimizer):

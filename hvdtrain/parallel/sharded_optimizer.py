@@ -15,7 +15,8 @@ gradients, each copy owns 1/d of every parameter, the flat range `shard_range` g
     normalise, clip, guard    the token-count factor (distributed.TokenNormalizer) on the slices;
                               the global norm: squares of the slices summed over the copies
                               and along the pipeline (a tied weight counted once); fp16's
-                              found-inf flag the maximum over the copies, so all skip together
+                              found-inf flag the maximum over the copies (and along the
+                              pipeline, over a tensor-parallel group), so all skip together
     step                      AdamW or LAMB (hvdtrain.optim.optimizers) on the slices of fp32 master
                               weights with their 1/d of the moments; weight decay on the slices
                               of matrices only; LAMB's trust ratio from the norms of the whole
@@ -86,10 +87,10 @@ import torch
 import torch.distributed as dist
 
 from hvdtrain.checkpointing import checkpoint
+from hvdtrain.parallel.distributed import share_found_inf
 from hvdtrain.parallel import pipeline
 from hvdtrain.parallel.tensor_parallel import is_split, like, local
 from hvdtrain.optim.optimizers import optimizer_for
-from hvdtrain.training.run_guards import share_found_inf
 
 try:  # as in distributed.py
     import horovod.torch as hvd

@@ -205,7 +205,7 @@ class LocalGradScaler(torch.amp.GradScaler):
     of DTensor and plain gradients (torch 2.13), so this one unscales every gradient as its
     local tensor (the same storage), overriding the method that FSDP's ShardedGradScaler
     overrides too. Each rank then found inf in its own slices only: the step engine shares the
-    flag over the group (run_guards.share_found_inf). The gradients are the fp32 weights' (fp16
+    flag over the group (distributed.share_found_inf). The gradients are the fp32 weights' (fp16
     is autocast's), on this worker's one device."""
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):

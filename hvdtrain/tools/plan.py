@@ -686,7 +686,7 @@ def tensor_sweep(cfg, gpus: int) -> list[int]:
     (a group within one node) where the family splits its layers and t divides the heads, the
     key/value heads and `gpus`."""
     m, options = cfg.model, {1, cfg.parallel.tensor_parallel}
-    if m.arch != "mixtral":  # (its layers are not split yet)
+    if family(m.arch).splits_layers:
         options |= {t for t in (2, 4, 8) if gpus % t == 0 and m.n_head % t == 0 and (m.n_kv_head or m.n_head) % t == 0}
     return sorted(options)
 

@@ -33,7 +33,6 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from hvdtrain.launching.relay import LEAVING, STALLED  # how the watchdog's lines start: the launcher reads them
 
@@ -130,20 +129,6 @@ class NonFiniteGuard:
         skipped = int(self.skipped.item())
         self.skipped.zero_()
         return {"skipped_steps": skipped}
-
-
-def share_found_inf(scaler: torch.amp.GradScaler, optimizer, group: dist.ProcessGroup):
-    """fp16: make the grad scaler of every rank of `group` (the stages of a pipeline, the ranks
-    of a tensor-parallel group) see inf when any one's unscale_ found one in the gradients it
-    holds, so that all skip the same steps and their scalers back off (and restart their
-    growth count) as the whole model's one scaler does. The scaler's own flags are replaced in
-    place by their maximum over the group: no host read. Call after scaler.unscale_ and after
-    the data-parallel reduction (it spreads inf/nan to every copy)."""
-    flags = list(scaler._found_inf_per_device(optimizer).values())  # one per device, from unscale_
-    found = torch.stack(flags).amax()
-    dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)  # torch.distributed: allreduce (max)
-    for flag in flags:
-        flag.copy_(found)
 
 
 class StallWatchdog:

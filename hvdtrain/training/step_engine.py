@@ -42,7 +42,6 @@ from hvdtrain.parallel.distributed import hvd
 from hvdtrain.parallel.sharded_weights import ShardedWeights
 from hvdtrain.config import Config, HorovodConfig
 from hvdtrain.models.common import IGNORE_INDEX, evaluation_sums, training_sums
-from hvdtrain.training import run_guards
 
 
 def autocast_for(device: torch.device, precision: str):
@@ -268,7 +267,7 @@ class TensorParallelStep(PlainStep):
         """fp16: each rank unscaled its own slices (tensor_parallel.LocalGradScaler): all of a
         group skip if one found inf."""
         # torch.distributed: allreduce (max) over the group
-        run_guards.share_found_inf(self.scaler, self.optimizer, self.groups.group)
+        distributed.share_found_inf(self.scaler, self.optimizer, self.groups.group)
 
     def stepping(self):
         return nullcontext()  # a plain optimizer: nothing to hold back
@@ -337,7 +336,7 @@ class PipelinedStep(PlainStep):
     def agree_on_nonfinite(self):
         """A stage that found no inf skips too, as the whole model would."""
         # torch.distributed: allreduce (max) along the pipeline
-        run_guards.share_found_inf(self.scaler, self.optimizer, self.groups.pipeline)
+        distributed.share_found_inf(self.scaler, self.optimizer, self.groups.pipeline)
 
     def stepping(self):
         return nullcontext() if self.reduce_after else self.optimizer.skip_synchronize()

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from hvdtrain.parallel import distributed, parallel_dims, pipeline
 from hvdtrain.config import Config, ModelConfig, ParallelConfig
 from hvdtrain.models.common import IGNORE_INDEX, Vocab, build_model, logits_and_labels
-from hvdtrain.training.run_guards import NonFiniteGuard, share_found_inf
+from hvdtrain.training.run_guards import NonFiniteGuard
 from hvdtrain.training.step_engine import PipelinedStep, autocast_for
 from hvdtrain.observe.step_timer import StepTimer
 
@@ -163,7 +163,7 @@ def fp16_skips(stage, layout: parallel_dims.Layout, groups: parallel_dims.Groups
         scaler.scale(sum(p.sum() for p in params[1:]) + (params[0] * weight).sum()).backward()
         before = [p.detach().clone() for p in params]
         scaler.unscale_(optimizer)
-        share_found_inf(scaler, optimizer, groups.pipeline)
+        distributed.share_found_inf(scaler, optimizer, groups.pipeline)
         guard.scaler_step(scaler, optimizer)
         states.append({**scaler.state_dict(), "stepped": any(not torch.equal(b, p) for b, p in zip(before, params)),
                        "in_a_row": guard.in_a_row.item()})

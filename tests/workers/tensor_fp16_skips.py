@@ -1,8 +1,11 @@
-"""fp16 with split weights (tests/test_tensor_parallel.py): each of t=2 ranks holds half the rows
-of a column-wise Linear (a DTensor) and a whole bias; in step 2 only rank 1's slice finds inf.
-Each step as the training loop does it: LocalGradScaler.unscale_, share_found_inf over the
-group, NonFiniteGuard.scaler_step. Writes, per step, this rank's scaler state, whether its
-parameters changed and the guard's streak to OUT/rankN.json.
+"""fp16 with split layers (tests/test_tensor_parallel.py): t=2 ranks hold a column-wise Linear's
+rows and a row-wise Linear's columns (DTensors; its bias a whole DTensor) and a plain scale
+vector; in step 2 only rank 1's slice finds inf. Each step goes through the training loop's
+engine (step_engine.TensorParallelStep: clip_gradients unscales with LocalGradScaler,
+optimizer_step shares the flag over the group and steps through the grad scaler) with
+hvdtrain's AdamW built as on a GPU: fused, whose kernel refuses one list of DTensor and plain
+tensors (torch has it for CPU tensors too). Writes, per step, this rank's scaler state, whether
+its parameters changed and the guard's streak to OUT/rankN.json.
 
     horovodrun -np 2 python tensor_fp16_skips.py OUT
 """
@@ -12,37 +15,47 @@ from pathlib import Path
 
 import horovod.torch as hvd
 import torch
-from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from hvdtrain.config import TrainConfig
+from hvdtrain.optim.optimizers import build_optimizer
 from hvdtrain.parallel.tensor_parallel import LocalGradScaler, local, open_tensor_groups
-from hvdtrain.training.run_guards import NonFiniteGuard, share_found_inf
+from hvdtrain.training.run_guards import NonFiniteGuard
+from hvdtrain.training.step_engine import TensorParallelStep
 from pipeline_step import FP16_SCALER
+
+
+class UpDown(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(3, 4, bias=False), torch.nn.Linear(4, 3)
+        self.scale = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return self.down(self.up(x)) * self.scale
 
 
 def main(out: Path, steps: int = 4, inf_step: int = 2):
     hvd.init(process_sets="dynamic")
-    groups = open_tensor_groups(hvd.rank(), hvd.size(), 2, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    groups = open_tensor_groups(hvd.rank(), hvd.size(), 2, cpu)
     torch.manual_seed(0)
-    linear = parallelize_module(torch.nn.Linear(3, 4, bias=False), groups.mesh, ColwiseParallel())
-    bias = torch.nn.Parameter(torch.zeros(3))
-    params = [linear.weight, bias]
-    optimizer = torch.optim.SGD(params, lr=0.1)
+    model = parallelize_module(UpDown(), groups.mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    optimizer = build_optimizer(model, TrainConfig(), 0.1, torch.device("cuda"))  # "cuda": the fused AdamW
     scaler = LocalGradScaler("cpu", **FP16_SCALER)
-    guard = NonFiniteGuard(torch.device("cpu"), max_bad_steps=10)
+    engine = TensorParallelStep(model, optimizer, scaler, None, None, cpu, groups=groups, horovod=None)
+    guard = NonFiniteGuard(cpu, max_bad_steps=10)
     states = []
     for step in range(steps):
-        scaler.scale(linear(torch.ones(1, 3)).sum() + bias.sum()).backward()
+        scaler.scale(model(torch.ones(1, 3)).sum()).backward()
         if step == inf_step and groups.rank == 1:
-            local(linear.weight.grad)[0, 0] = float("inf")
-        before = [local(p).detach().clone() for p in params]
-        scaler.unscale_(optimizer)
-        share_found_inf(scaler, optimizer, groups.group)
-        guard.scaler_step(scaler, optimizer)
+            local(model.up.weight.grad)[0, 0] = float("inf")
+        before = [local(p).detach().clone() for p in model.parameters()]
+        engine.optimizer_step(guard, engine.clip_gradients(max_norm=1e9))
         states.append({**scaler.state_dict(), "in_a_row": guard.in_a_row.item(),
-                       "stepped": any(not torch.equal(b, local(p)) for b, p in zip(before, params))})
-        optimizer.zero_grad()
+                       "stepped": any(not torch.equal(b, local(p)) for b, p in zip(before, model.parameters()))})
     (out / f"rank{hvd.rank()}.json").write_text(json.dumps(states))
-    groups.close()
+    engine.close()
 
 
 if __name__ == "__main__":

@@ -55,4 +55,5 @@ FAMILY = Family(
     tensors_per_layer=9, other_tensors=2,
     knobs=("n_kv_head", "rope_theta", "tie_embeddings", "experts", "experts_per_token", "router_aux_loss_coef",
            "router_z_loss_coef", "capacity_factor"),
-    family_shape=family_shape, tie_embeddings=TIE_EMBEDDINGS, rotary=True)
+    family_shape=family_shape, tie_embeddings=TIE_EMBEDDINGS, rotary=True,
+    splits_layers=False)  # split experts' layers: not yet
