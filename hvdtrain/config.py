@@ -391,8 +391,9 @@ class ParallelConfig:
     # matrices split over this many neighbouring workers (one node), which read the same samples,
     # with torch.distributed.tensor.parallel; the workers / t copies are data parallel as without.
     # Must divide the workers, model.n_head and model.n_kv_head. With parallel.shard optimizer or
-    # gradients each rank's slices are sharded over the copies holding the same ones. Not yet with
-    # model.arch mixtral, pipeline stages, parallel.shard full or expert parallelism. 1: whole layers.
+    # gradients each rank's slices are sharded over the copies holding the same ones. With pipeline
+    # stages each stage's layers are split (workers = t x stages x copies; not yet sharded). Not yet
+    # with model.arch mixtral, parallel.shard full or expert parallelism. 1: whole layers.
     tensor_parallel: int = 1
 
     def check(self):
@@ -712,11 +713,16 @@ def validate(cfg: Config):
         for key, heads in (("model.n_head", m.n_head), ("model.n_kv_head", m.n_kv_head)):
             _require(m.pretrained or heads is None or heads % t == 0, "parallel.tensor_parallel",
                      f"a divisor of {key} ({heads}): each worker holds {key} / t heads", t)
-        for key, value, other in (("parallel.pipeline_stages", par.pipeline_stages, 1),
-                                  ("parallel.expert_parallel", par.expert_parallel, 1),
+        for key, value, other in (("parallel.expert_parallel", par.expert_parallel, 1),
                                   ("train.optimizer", cfg.train.optimizer, "adamw")):
             _require(value == other, key, f"{other!r} with parallel.tensor_parallel > 1 (not supported together yet)",
                      value)
+        if par.pipeline_stages > 1:
+            # split layers' gradients (DTensors) do not go through Horovod's hooks
+            _require(par.reduce_gradients != "during", "parallel.reduce_gradients",
+                     "'after' with parallel.tensor_parallel > 1 and pipeline stages", par.reduce_gradients)
+            _require(par.shard == "none", "parallel.shard", "'none' with parallel.tensor_parallel > 1 and pipeline "
+                     "stages (sharding split stages is not supported yet)", par.shard)
         _require(par.shard != "full", "parallel.shard", "'none', 'optimizer' or 'gradients' with "
                  "parallel.tensor_parallel > 1 (gathering split weights unit by unit is not supported yet)", par.shard)
     # Cross-section: sharding reduce-scatters the gradients itself, uncompressed.

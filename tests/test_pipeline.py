@@ -209,10 +209,21 @@ def test_layout_ranks():
         parallel_dims.layout_for(0, 8, 3)
 
 
+def test_layout_ranks_with_split_layers_neighbours_in_a_tensor_parallel_group():
+    """pp x dp x tp, tp innermost: rank = (stage * dp + dp_rank) * tp + tp_rank."""
+    layout = parallel_dims.layout_for(rank=5, world_size=8, stages=2, tp=2)
+    assert (layout.stage, layout.dp_rank, layout.tp_rank, layout.dp, layout.rank) == (1, 0, 1, 2, 5)
+    assert layout.grid.group("tp", 5) == [4, 5]
+    # the copies and the pipeline hold this rank's slices (tp_rank 1)
+    assert layout.stage_ranks(1) == [5, 7] and layout.pipeline_ranks(1) == [3, 7]
+    with pytest.raises(UserError, match="'parallel.tensor_parallel': 3 does not divide the 4 workers of each"):
+        parallel_dims.layout_for(0, 8, 2, tp=3)
+
+
 def test_the_grid_s_groups_are_the_ranks_along_one_dimension():
-    """The grid behind every group: with pp x dp (today's layout) the pipelines and the copies of
-    each stage; a third, innermost dimension (as tensor parallelism will be) makes neighbours its
-    groups and the same arithmetic gives the others, each group once, in one order for all ranks."""
+    """The grid behind every group: with pp x dp the pipelines and the copies of each stage; a
+    third, innermost dimension (tensor parallelism) makes neighbours its groups and the same
+    arithmetic gives the others, each group once, in one order for all ranks."""
     grid = parallel_dims.ParallelDims((("pp", 2), ("dp", 4)))
     assert grid.world_size == 8 and grid.coords(5) == {"pp": 1, "dp": 1} and grid.rank_at(pp=1, dp=1) == 5
     assert grid.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]

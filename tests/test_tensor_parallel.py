@@ -1,7 +1,7 @@
 """Tensor parallelism (parallel.tensor_parallel = t): each layer's attention and MLP matrices split
 over t ranks with torch.distributed.tensor.parallel, through real horovodrun workers (Gloo, fp32,
 dropout 0, clipping active). t=2 trains as one worker does (Llama with grouped-query attention,
-BERT); t=2 x 2 copies (4 workers) too; each rank holds its slices of the one-worker model; a
+BERT); t=2 x 2 copies (4 workers) too, and t=2 x 2 pipeline stages; each rank holds its slices of the one-worker model; a
 checkpoint written at t=2 resumes at t=1 and one written at t=1 at t=2; the export is the whole
 model; fp16 skips a step on every rank of a group when one slice finds inf. (Bad input: test_errors.)"""
 import json
@@ -80,6 +80,24 @@ def test_two_slices_by_two_copies_train_as_one_worker(tmp_path, tiny_config):
     assert_trains_as_one_worker(one, split)
     assert_same_params(load_params(split, 0), load_params(split, 2))
     assert_same_params(load_params(split, 1), load_params(split, 3))
+
+
+@pytest.mark.parametrize("family", [GPT2, LLAMA], ids=["gpt2", "llama"])
+def test_two_slices_by_two_stages_train_as_one_worker_across_layouts(tmp_path, tiny_config, family):
+    """4 workers, t=2 x p=2: each pipeline stage's layers split over a tensor-parallel group of
+    neighbours (ranks 0 and 1 hold stage 0, 2 and 3 stage 1; GPT-2 ties its embedding between
+    the first and the last stage). To step 4 at t=2 x p=2, its checkpoint (a part per stage,
+    each gathered whole over its group) read at t=2 alone on 2 workers to step 6, that one's at
+    t=2 x p=2 to 8: the one worker's losses, gradient norms (clipped) and export."""
+    config = tiny_config({**family, "checkpoint": {"every": 2}})
+    one, moved = tmp_path / "np1", tmp_path / "moved"
+    train_workers(1, config, f"out_dir={one}")
+    cube = ("parallel.tensor_parallel=2", "parallel.pipeline_stages=2")
+    train_workers(4, config, f"out_dir={moved}", *cube, "train.stop_at_step=4", timeout=600)
+    assert (moved / "checkpoints" / "step_00000004" / "model-00002-of-00002.safetensors").exists()
+    train_workers(2, config, f"out_dir={moved}", "parallel.tensor_parallel=2", "train.stop_at_step=6")
+    train_workers(4, config, f"out_dir={moved}", *cube, timeout=600)
+    assert_trains_as_one_worker(one, moved)
 
 
 def test_a_checkpoint_resumes_at_another_tensor_parallel_size(tmp_path, tiny_config):

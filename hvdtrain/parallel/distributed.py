@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from hvdtrain.training import rng
 from hvdtrain.config import Config, HorovodConfig
@@ -174,13 +175,20 @@ def allreduce_grads(params, process_set, name: str, op=None, compression=None, g
     backward: the mode for a plain (not Distributed) optimizer (pipeline stages whose copies
     reduce after the schedule's run, where NCCL cannot run two communicators at once; expert
     parallelism, whose two kinds of weights reduce over different ranks). A missing gradient is
-    sent as zeros (every copy must send the same list); the rest as allreduce_tensors."""
+    sent as zeros (every copy must send the same list); the rest as allreduce_tensors. Horovod
+    takes plain tensors: a split layer's gradient (a DTensor: parallel.tensor_parallel) is
+    reduced as its local tensor, the same storage."""
     params = [p for p in params if p.requires_grad]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    allreduce_tensors([p.grad for p in params], process_set, name, op, compression, gradient_predivide_factor,
+    allreduce_tensors([local(p.grad) for p in params], process_set, name, op, compression, gradient_predivide_factor,
                       postscale)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's values: a DTensor's local tensor (the same storage), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def allreduce_tensors(tensors: list, process_set, name: str, op=None, compression=None,
@@ -260,15 +268,19 @@ class TokenNormalizer:
         torch._foreach_mul_(grads, factor)
 
 
-def clip_split_grad_norm_(whole: list, split: list, sum_split, max_norm: float) -> torch.Tensor:
+def clip_split_grad_norm_(whole: list, split: list, sum_split, max_norm: float, sum_parts=None,
+                          uncounted: list = ()) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ over a model split over a group of ranks: `whole`
     gradients are equal on every rank of it (counted once), each rank holds its own `split` ones
     (their squares summed over the group by `sum_split`, a collective returning the sum); every
-    gradient multiplied by the same coefficient, as clip_grads_with_norm_ does. Plain tensors (a
-    DTensor's local one). Returns the total norm before clipping."""
+    gradient multiplied by the same coefficient, as clip_grads_with_norm_ does. `sum_parts`: a
+    collective summing the squares over the ranks holding the model's other parts (the stages of
+    a pipeline); `uncounted`: gradients clipped but counted elsewhere (a tied weight's copy on
+    the last stage). Plain tensors (a DTensor's local one). Returns the total norm before clipping."""
     norm = torch.nn.utils.get_total_norm
-    total = (norm(whole) ** 2 + sum_split(norm(split) ** 2)).sqrt()
-    torch._foreach_mul_(whole + split, (max_norm / (total + 1e-6)).clamp(max=1.0))
+    squares = norm(whole) ** 2 + sum_split(norm(split) ** 2)
+    total = (squares if sum_parts is None else sum_parts(squares)).sqrt()
+    torch._foreach_mul_(whole + split + list(uncounted), (max_norm / (total + 1e-6)).clamp(max=1.0))
     return total
 
 

@@ -1,18 +1,20 @@
 """The layout of the workers: one grid from which every rank's coordinates, process group and
 process set derive (torchtitan's ParallelDims is the model).
 
-The world is a grid of named dimensions, outermost first: today "pp" (pipeline stages) then "dp"
-(data-parallel copies of each stage), so rank = stage * dp + dp_rank. A parallelism to come adds
-a dimension here (tensor parallelism innermost, so that a layer's ranks are neighbours on one
-node, as Megatron and torchtitan place them), not a branch at every use: the ranks that share a
-collective are those that differ along one dimension (`ParallelDims.group`), and every group of a
-dimension is opened on every rank in the same order (`ParallelDims.groups`), as
-torch.distributed's new_group and Horovod's add_process_set require.
+The world is a grid of named dimensions, outermost first: "pp" (pipeline stages), "dp"
+(data-parallel copies) and "tp" (the ranks of a tensor-parallel group, innermost, so that a
+layer's ranks are neighbours on one node, as Megatron and torchtitan place them), so
+rank = (stage * dp + dp_rank) * tp + tp_rank. A parallelism to come adds a dimension here, not a
+branch at every use: the ranks that share a collective are those that differ along one
+dimension (`ParallelDims.group`), and every group of a dimension is opened on every rank in the
+same order (`ParallelDims.groups`), as torch.distributed's new_group and Horovod's
+add_process_set require.
 
     hvd.init(process_sets="dynamic")                  # process sets are added after init
-    layout = layout_for(hvd.rank(), hvd.size(), stages)
+    layout = layout_for(hvd.rank(), hvd.size(), stages, tp=t)
     groups = open_groups(layout, "gloo")              # "nccl" on GPUs
-    ... the pipeline (hvdtrain.parallel.pipeline) and Horovod's reductions use them ...
+    ... the pipeline (hvdtrain.parallel.pipeline), the split layers
+    ... (hvdtrain.parallel.tensor_parallel) and Horovod's reductions use them ...
     groups.close()
 """
 import math
@@ -22,6 +24,7 @@ import sys
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from hvdtrain.errors import UserError
 
@@ -72,7 +75,7 @@ class ParallelDims:
 
 @dataclass(frozen=True)
 class Layout:
-    """Where this rank sits in the `stages x dp` grid.
+    """Where this rank sits in the `stages x dp x tp` grid.
 
     With `stages_per_rank` > 1 (interleaved schedules) the model is cut into
     stages * stages_per_rank pipeline stages and pipeline position s runs the stages
@@ -82,14 +85,16 @@ class Layout:
     stage: int                # this rank's position in its pipeline, 0 .. p-1
     dp_rank: int              # which copy, 0 .. dp-1
     stages_per_rank: int = 1
+    tp: int = 1               # t: ranks of a tensor-parallel group, which hold the slices of each layer
+    tp_rank: int = 0          # this rank's place in its group, 0 .. t-1
 
     @property
     def grid(self) -> ParallelDims:
-        return ParallelDims((("pp", self.stages), ("dp", self.dp)))
+        return ParallelDims((("pp", self.stages), ("dp", self.dp), ("tp", self.tp)))
 
     @property
     def rank(self) -> int:
-        return self.grid.rank_at(pp=self.stage, dp=self.dp_rank)
+        return self.grid.rank_at(pp=self.stage, dp=self.dp_rank, tp=self.tp_rank)
 
     @property
     def is_first(self) -> bool:
@@ -112,23 +117,27 @@ class Layout:
         return [self.stage + k * self.stages for k in range(self.stages_per_rank)]
 
     def stage_ranks(self, stage: int) -> list[int]:
-        """The ranks holding copies of pipeline position `stage`: one data-parallel group."""
-        return self.grid.group("dp", self.grid.rank_at(pp=stage))
+        """The ranks holding copies of pipeline position `stage` (and of this rank's slices):
+        one data-parallel group."""
+        return self.grid.group("dp", self.grid.rank_at(pp=stage, tp=self.tp_rank))
 
     def pipeline_ranks(self, dp_rank: int) -> list[int]:
-        """The ranks of pipeline `dp_rank`, first stage first."""
-        return self.grid.group("pp", self.grid.rank_at(dp=dp_rank))
+        """The ranks of pipeline `dp_rank` (at this rank's slices), first stage first."""
+        return self.grid.group("pp", self.grid.rank_at(dp=dp_rank, tp=self.tp_rank))
 
 
-def layout_for(rank: int, world_size: int, stages: int, stages_per_rank: int = 1) -> Layout:
+def layout_for(rank: int, world_size: int, stages: int, stages_per_rank: int = 1, tp: int = 1) -> Layout:
     if stages < 1 or world_size % stages:
         raise UserError(f"parallel.pipeline_stages={stages} does not divide the {world_size} workers")
     if stages_per_rank < 1:
         raise UserError(f"parallel.stages_per_rank={stages_per_rank} must be at least 1")
-    grid = ParallelDims((("pp", stages), ("dp", world_size // stages)))
-    at = grid.coords(rank)
-    return Layout(stages=stages, dp=world_size // stages, stage=at["pp"], dp_rank=at["dp"],
-                  stages_per_rank=stages_per_rank)
+    if tp < 1 or (world_size // stages) % tp:
+        raise UserError(f"config key 'parallel.tensor_parallel': {tp} does not divide the {world_size // stages} "
+                        f"workers{' of each pipeline stage' if stages > 1 else ''}")
+    dp = world_size // (stages * tp)
+    at = ParallelDims((("pp", stages), ("dp", dp), ("tp", tp))).coords(rank)
+    return Layout(stages=stages, dp=dp, stage=at["pp"], dp_rank=at["dp"], stages_per_rank=stages_per_rank,
+                  tp=tp, tp_rank=at["tp"])
 
 
 # ---------------------------------------------------------------- process groups
@@ -136,9 +145,10 @@ def layout_for(rank: int, world_size: int, stages: int, stages_per_rank: int = 1
 @dataclass
 class Groups:
     """The communicators of one rank; every rank created all of them, in the same order."""
-    pipeline: dist.ProcessGroup       # this rank's pipeline (same dp_rank), for send/recv and the grad norm
-    tied: dist.ProcessGroup | None    # {first, last stage} of this pipeline; None on other ranks or when p = 1
-    process_set: object               # Horovod process set of this stage's copies
+    pipeline: dist.ProcessGroup | None  # this rank's pipeline (along "pp"), for send/recv and the grad norm; None when p = 1
+    tied: dist.ProcessGroup | None      # {first, last stage} of this pipeline; None on other ranks or when p = 1
+    process_set: object                 # Horovod process set of the copies (along "dp") of this stage and slices
+    tensor: DeviceMesh | None = None    # this rank's tensor-parallel group (along "tp"), for DTensor; None when t = 1
     added_sets: list = field(default_factory=list)  # what open_groups added, removed by close()
 
     def close(self):
@@ -149,9 +159,11 @@ class Groups:
 
 
 def open_groups(layout: Layout, backend: str) -> Groups:
-    """Open torch.distributed inside horovodrun workers, then the groups the pipeline needs:
-    a torch.distributed group per pipeline (the ranks along "pp") and one of its two ends (the
-    tied embedding), a Horovod process set per stage's copies (the ranks along "dp").
+    """Open torch.distributed inside horovodrun workers, then the groups of the layout: with
+    pipeline stages a torch.distributed group per pipeline (the ranks along "pp") and one of its
+    two ends (the tied embedding); with split layers a torch.distributed group per tensor-parallel
+    group (along "tp", as a DeviceMesh), which must lie within one host; a Horovod process set per
+    set of copies (along "dp").
 
     Needs `hvd.init(process_sets="dynamic")` (or HOROVOD_DYNAMIC_PROCESS_SETS=1 before hvd.init):
     the data-parallel process sets are added here. No launcher flags or MASTER_* variables are
@@ -159,22 +171,41 @@ def open_groups(layout: Layout, backend: str) -> Groups:
     with Horovod. The store's host is MASTER_ADDR if set, else the host name horovodrun gave
     rank 0 (HOROVOD_HOSTNAME), else this machine's name; other hosts must reach it by that name."""
     grid, rank = layout.grid, layout.rank
+    if layout.tp > 1:
+        check_tensor_groups_share_hosts(layout.tp)  # Horovod: allgather
     init_torch_distributed(backend)
     # dist.new_group and hvd.add_process_set are collective: every rank makes every group, same order.
-    pipeline = tied = None
-    for ranks in grid.groups("pp"):
-        group = dist.new_group(ranks)  # torch.distributed: new group (collective)
-        if rank in ranks:
-            pipeline = group
+    pipeline = tied = tensor = None
     if layout.stages > 1:
+        pipeline = _new_groups(grid, "pp", rank)
         for ranks in grid.groups("pp"):
             group = dist.new_group([ranks[0], ranks[-1]])  # torch.distributed: new group (collective)
             if rank in (ranks[0], ranks[-1]):
                 tied = group
-    if layout.dp == grid.world_size:  # Horovod rejects a second set equal to the world
-        return Groups(pipeline, tied, hvd.global_process_set)
-    added = [hvd.add_process_set(ranks) for ranks in grid.groups("dp")]  # Horovod: process sets
-    return Groups(pipeline, tied, added[layout.stage], added)
+    if layout.tp > 1:
+        tensor = DeviceMesh.from_group(_new_groups(grid, "tp", rank), "cuda" if backend == "nccl" else "cpu")
+    process_set, added = add_process_sets(grid, "dp", rank)  # Horovod: process sets
+    return Groups(pipeline, tied, process_set, tensor, added)
+
+
+def _new_groups(grid: ParallelDims, dim: str, rank: int) -> dist.ProcessGroup:
+    """A torch.distributed group for every group along `dim` (every rank makes each, in the
+    same order); this rank's."""
+    mine = None
+    for ranks in grid.groups(dim):
+        group = dist.new_group(ranks)  # torch.distributed: new group (collective)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def check_tensor_groups_share_hosts(t: int):
+    """Horovod numbers the ranks host by host: each group of t neighbouring ranks is one host's
+    when t divides every host's count of workers; else a one-line error."""
+    counts = set(hvd.allgather_object(hvd.local_size(), name="tensor_parallel.hosts"))  # Horovod: allgather
+    if any(count % t for count in counts):
+        raise UserError(f"config key 'parallel.tensor_parallel': {t} does not divide the workers of each host "
+                        f"({' or '.join(map(str, sorted(counts)))}): a group's workers must share a host's links")
 
 
 def init_torch_distributed(backend: str):

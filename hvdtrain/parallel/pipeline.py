@@ -1,9 +1,10 @@
 """Pipeline stages across workers, Horovod data parallelism across the copies of each stage.
 
-The world is `stages x dp` workers: rank = stage * dp + dp_rank. The ranks with the same
-dp_rank form one pipeline (torch.distributed.pipelining sends activations and gradients along
-it); the ranks with the same stage hold copies of that stage and reduce their gradients with
-Horovod, within the stage's process set. Nothing here is a runtime of our own: the schedules
+The world is `stages x dp` workers: rank = stage * dp + dp_rank (x tp with split layers:
+hvdtrain.parallel.parallel_dims). The ranks with the same dp_rank (and tensor slice) form one
+pipeline (torch.distributed.pipelining sends activations and gradients along it); the ranks with
+the same stage (and slice) hold copies of that stage and reduce their gradients with Horovod,
+within the stage's process set. Nothing here is a runtime of our own: the schedules
 are torch's, the collectives are torch.distributed's (along a pipeline) and Horovod's (across
 copies). Used by a worker, in this order:
 
@@ -42,7 +43,9 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 from hvdtrain.models import family_of
 from hvdtrain.models.common import IGNORE_INDEX, linear_cross_entropy_sum, masked_positions, switch
 from hvdtrain.models.ties import tied_names
+from hvdtrain.parallel import distributed
 from hvdtrain.parallel.parallel_dims import Groups, Layout
+from hvdtrain.parallel.tensor_parallel import is_split, local
 # The torch-free arithmetic (split, schedule checks, ideal bubble) lives in pipeline_plan, for
 # `hvdtrain plan`; its names are part of this module's API too.
 from hvdtrain.parallel.pipeline_plan import (INTERLEAVED, SCHEDULES, _even_bounds, check_schedule,  # noqa: F401
@@ -388,18 +391,24 @@ def allreduce_tied_grads(stage: StageModule, groups: Groups):
         dist.all_reduce(p.grad, group=groups.tied)  # torch.distributed: allreduce (sum), first + last stage
 
 
-def _counted_grads(stage: StageModule) -> list[torch.Tensor]:
-    """This rank's gradients for global reductions: a tied weight counts once, on the first stage."""
-    copies = set(stage.tied.values()) if stage.layout.is_last and not stage.layout.is_first else set()
-    return [p.grad for p in stage.parameters() if p.grad is not None and p not in copies]
-
-
 def clip_grad_norm_(stage: StageModule, max_norm: float, groups: Groups) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ over the whole model: the L2 norm of all stages' gradients
-    (squares summed along the pipeline; the copies of a stage hold equal, reduced gradients),
-    and every stage scaled by the same coefficient. Returns the total norm before clipping."""
-    squares = torch.nn.utils.get_total_norm(_counted_grads(stage)) ** 2
-    dist.all_reduce(squares, group=groups.pipeline)  # torch.distributed: allreduce (sum) along the pipeline
-    total = squares.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(stage.parameters(), max_norm, total)
-    return total
+    (squares summed along the pipeline; the copies of a stage hold equal, reduced gradients; a
+    tied weight counted once, on the first stage; with split layers, the squares of each rank's
+    slices summed over its tensor-parallel group first), and every stage scaled by the same
+    coefficient. Returns the total norm before clipping."""
+    copies = set(stage.tied.values()) if stage.layout.is_last and not stage.layout.is_first else set()
+    grads = [(p.grad, p in copies) for p in stage.parameters() if p.grad is not None]
+
+    def sum_over_tensor_group(squares):
+        if groups.tensor is not None:
+            # torch.distributed: allreduce (sum) over the tensor-parallel group
+            dist.all_reduce(squares, group=groups.tensor.get_group())
+        return squares
+
+    def sum_along_pipeline(squares):
+        dist.all_reduce(squares, group=groups.pipeline)  # torch.distributed: allreduce (sum) along the pipeline
+        return squares
+    return distributed.clip_split_grad_norm_(
+        [local(g) for g, copy in grads if not copy and not is_split(g)], [local(g) for g, _ in grads if is_split(g)],
+        sum_over_tensor_group, max_norm, sum_along_pipeline, [g for g, copy in grads if copy])

@@ -1,9 +1,10 @@
 """Tensor parallelism (Megatron-LM's): each transformer layer's matrices split over t neighbouring
 ranks, with PyTorch's own tensor-parallel API (docs/tensor-parallel.md).
 
-The workers form a grid ("dp", world / t) x ("tp", t) (parallel_dims.ParallelDims): the t
-neighbouring ranks of one tensor-parallel group read the same samples and hold different slices
-of every layer; the ranks at the same place of their groups hold the same slices. In each layer
+The workers form a grid ("dp", world / t) x ("tp", t), with pipeline stages ("pp", p) x
+("dp", world / (t·p)) x ("tp", t) (parallel_dims.Layout): the t neighbouring ranks of one
+tensor-parallel group read the same samples and hold different slices of every layer (of their
+stage); the ranks at the same place of their groups hold the same slices. In each layer
 (the family's ModelParts.tensor_plan):
 
     attention   query/key/value projections column-wise (each rank: n_head / t query heads and
@@ -29,7 +30,7 @@ gradient equal on every rank of a group.
                 rank's slice (placed)
 """
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -41,61 +42,62 @@ from hvdtrain.errors import UserError
 from hvdtrain.models import family_of
 from hvdtrain.models.common import transformer_blocks
 from hvdtrain.parallel import distributed, parallel_dims
-from hvdtrain.parallel.parallel_dims import ParallelDims
-
-try:  # as in distributed.py
-    import horovod.torch as hvd
-except ImportError:  # pragma: no cover
-    hvd = None
+from hvdtrain.parallel.distributed import local  # noqa: F401 (this module's API too)
 
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
 @dataclass
 class TensorGroups:
-    """This rank's place in the dp x tp grid, its tensor-parallel mesh and its Horovod process set."""
-    size: int                   # t: ranks in a tensor-parallel group
-    rank: int                   # this rank's place in its group, 0 .. t-1
-    dp: int                     # copies: world / t
-    dp_rank: int                # which copy, 0 .. dp-1: the data shard this group reads
-    mesh: DeviceMesh            # the group's ranks (torch.distributed), for DTensor
-    copies_set: object          # the ranks holding the same slices: their gradients' process set
-    added_sets: list = field(default_factory=list)  # what open_tensor_groups added, removed by close()
+    """This rank's tensor-parallel group: its place in the layout's grid (parallel_dims.Layout's
+    "tp" and "dp" coordinates) and the communicators opened for it (parallel_dims.Groups)."""
+    layout: parallel_dims.Layout
+    groups: parallel_dims.Groups
+
+    @property
+    def size(self) -> int:
+        """t: ranks in a tensor-parallel group."""
+        return self.layout.tp
+
+    @property
+    def rank(self) -> int:
+        """This rank's place in its group, 0 .. t-1."""
+        return self.layout.tp_rank
+
+    @property
+    def dp(self) -> int:
+        """Copies: world / t."""
+        return self.layout.dp
+
+    @property
+    def dp_rank(self) -> int:
+        """Which copy, 0 .. dp-1: the data shard this group reads."""
+        return self.layout.dp_rank
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The group's ranks (torch.distributed), for DTensor."""
+        return self.groups.tensor
 
     @property
     def group(self) -> dist.ProcessGroup:
         return self.mesh.get_group()
 
+    @property
+    def copies_set(self) -> object:
+        """The ranks holding the same slices: their gradients' Horovod process set."""
+        return self.groups.process_set
+
     def close(self):
         """Remove the process sets and the torch.distributed groups (all ranks, same order)."""
-        for process_set in self.added_sets:
-            hvd.remove_process_set(process_set)  # Horovod: remove a process set (collective)
-        dist.destroy_process_group()  # torch.distributed: destroy the groups
+        self.groups.close()
 
 
 def open_tensor_groups(rank: int, world_size: int, t: int, device: torch.device) -> TensorGroups:
-    """torch.distributed inside horovodrun (parallel_dims.init_torch_distributed), a group per
-    t neighbouring ranks and the Horovod process sets of the copies; every rank makes every
-    group in the same order."""
-    if world_size % t:
-        raise UserError(f"config key 'parallel.tensor_parallel': {t} does not divide the {world_size} workers")
-    # Horovod numbers the ranks host by host: a group is one host's when t divides every
-    # host's count of workers
-    counts = set(distributed.allgather_object(hvd.local_size(), name="tensor_parallel.hosts"))  # Horovod: allgather
-    if any(count % t for count in counts):
-        raise UserError(f"config key 'parallel.tensor_parallel': {t} does not divide the workers of each host "
-                        f"({' or '.join(map(str, sorted(counts)))}): a group's workers must share a host's links")
-    grid = ParallelDims((("dp", world_size // t), ("tp", t)))
-    parallel_dims.init_torch_distributed("nccl" if device.type == "cuda" else "gloo")
-    mine = None
-    for ranks in grid.groups("tp"):
-        group = dist.new_group(ranks)  # torch.distributed: new group (collective)
-        if rank in ranks:
-            mine = group
-    copies_set, added = parallel_dims.add_process_sets(grid, "dp", rank)  # Horovod: process sets
-    at = grid.coords(rank)
-    return TensorGroups(t, at["tp"], grid.dims[0][1], at["dp"], DeviceMesh.from_group(mine, device.type),
-                        copies_set, added)
+    """torch.distributed inside horovodrun, a group per t neighbouring ranks (within one host)
+    and the Horovod process sets of the copies (parallel_dims.open_groups)."""
+    layout = parallel_dims.layout_for(rank, world_size, 1, tp=t)
+    return TensorGroups(layout, parallel_dims.open_groups(layout, "nccl" if device.type == "cuda" else "gloo"))
 
 
 # ---------------------------------------------------------------- the model
@@ -116,7 +118,7 @@ def parallelize(model: torch.nn.Module, groups: TensorGroups):
     per-rank counts divided, then torch's ColwiseParallel / RowwiseParallel."""
     plan, t = family_of(model).modeling().PARTS.tensor_plan, groups.size
     check_divisible(model.config, t)
-    for layer in transformer_blocks(model):
+    for _, layer in numbered_blocks(model):
         for path in plan.conv1d:
             _as_linear(layer, path)
         for path, blocks in plan.fused.items():
@@ -134,6 +136,14 @@ def parallelize(model: torch.nn.Module, groups: TensorGroups):
                                 f"{features} features that {path} splits")
         # torch.distributed.tensor.parallel: the weights become DTensors sharded over the mesh
         parallelize_module(layer, groups.mesh, {path: STYLES[style]() for path, style in plan.styles.items()})
+
+
+def numbered_blocks(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
+    """(index in the whole model, layer) of each transformer layer `model` holds: all of a
+    whole model's, a pipeline stage's own (hvdtrain.parallel.pipeline.StageModule keys them by index)."""
+    blocks = transformer_blocks(model)
+    return ([(int(i), layer) for i, layer in blocks.items()] if isinstance(blocks, torch.nn.ModuleDict)
+            else list(enumerate(blocks)))
 
 
 def _as_linear(layer: torch.nn.Module, path: str):
@@ -165,7 +175,7 @@ def saved_forms(model: torch.nn.Module, t: int) -> dict[str, tuple[int, bool]]:
     Conv1D's weight, saved transposed)."""
     parts = family_of(model).modeling().PARTS
     plan, forms = parts.tensor_plan, {}
-    for i in range(len(transformer_blocks(model))):
+    for i, _ in numbered_blocks(model):
         for path in set(plan.fused) | set(plan.conv1d):
             prefix = f"{parts.layers}.{i}.{path}"
             forms[f"{prefix}.weight"] = (plan.fused.get(path, 1), path in plan.conv1d)
@@ -193,11 +203,6 @@ def is_split(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor) and any(p.is_shard() for p in tensor.placements)
 
 
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's values: a DTensor's local tensor (the same storage), or the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 # ---------------------------------------------------------------- gradients
 
 class LocalGradScaler(torch.amp.GradScaler):
@@ -223,13 +228,9 @@ class LocalGradScaler(torch.amp.GradScaler):
 def reduce_gradients(model, groups: TensorGroups, horovod_cfg):
     """Allreduce every gradient over the copies holding the same slices (one grouped Horovod
     allreduce, after backward), as local tensors."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:  # every copy must send the same list
-            p.grad = torch.zeros_like(p)
     # Horovod: grouped allreduce of the local gradients over the copies
-    distributed.allreduce_tensors([local(p.grad) for p in params], groups.copies_set, "grads.tensor_parallel",
-                                  **distributed.reduction_options(horovod_cfg))
+    distributed.allreduce_grads(model.parameters(), groups.copies_set, "grads.tensor_parallel",
+                                **distributed.reduction_options(horovod_cfg))
 
 
 def clip_grad_norm_(model, groups: TensorGroups, max_norm: float) -> torch.Tensor:

@@ -14,7 +14,8 @@
                     micro batches, Horovod reduces gradients among the copies of the stage only
                     (during the schedule's backward, or after it), the tied embedding is summed
                     between the first and last stage, and one gradient norm is taken over all
-                    stages
+                    stages; with parallel.tensor_parallel too, the stage's layers are split over
+                    a tensor-parallel group (reduced after, as local tensors)
     ShardedStep     parallel.shard (optimizer, gradients, full), around either of them: their
                     forward/backward and evaluation; the reduction (reduce-scatter), normalisation,
                     clip, non-finite agreement and step are the hvdtrain.parallel.sharded_optimizer's,
@@ -107,7 +108,9 @@ class PlainStep:
 
     def normalize(self, global_targets: float):
         """Make the reduced gradients those of the loss per target token of the whole step."""
-        self.normalizer.finish([p.grad for p in self.model.parameters() if p.grad is not None], global_targets)
+        # local tensors: one list of split (DTensor) and whole gradients would not go through torch's foreach kernels
+        self.normalizer.finish([tensor_parallel.local(p.grad) for p in self.model.parameters() if p.grad is not None],
+                               global_targets)
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
         """Unscale (fp16), clip to `max_norm`; returns the norm before clipping."""
@@ -254,10 +257,6 @@ class TensorParallelStep(PlainStep):
         # Horovod: grouped allreduce of the local gradients over the copies
         tensor_parallel.reduce_gradients(self.model, self.groups, self.horovod)
 
-    def normalize(self, global_targets):
-        grads = [tensor_parallel.local(p.grad) for p in self.model.parameters() if p.grad is not None]
-        self.normalizer.finish(grads, global_targets)
-
     def clip_gradients(self, max_norm):
         self.scaler.unscale_(self.optimizer)
         # torch.distributed: allreduce of the squared norms of the group's slices
@@ -293,13 +292,14 @@ class PipelinedStep(PlainStep):
                  groups: parallel_dims.Groups, pipe: pipeline.Pipeline, reduce_after: bool, cfg: Config):
         super().__init__(model, optimizer, scaler, normalizer, autocast, device)
         self.layout, self.groups, self.pipe, self.reduce_after, self.cfg = layout, groups, pipe, reduce_after, cfg
-        self.stages, self.copies_per_stage = layout.stages, layout.dp
+        # the stages of a pipeline and the ranks of a tensor-parallel group read the same samples
+        self.stages, self.copies_per_stage = layout.stages * layout.tp, layout.dp
 
     def forward_backward(self, micro_batches, timer):
         """The schedule's runs of m micro batches: forward and backward of every stage
         interleaved (sends and receives along the pipeline). The sum of token losses (and of a
         family's auxiliary loss, followed by its statistics, as PlainStep's) is the last
-        stage's; 0 on the others."""
+        stage's (with split layers its first tensor-parallel rank's); 0 on the others."""
         pipe, scaler = self.pipe, self.scaler
         pipe.loss.scale = self.normalizer.loss_scale * (scaler.get_scale() if scaler.is_enabled() else 1.0)
         loss_sum = torch.zeros((), device=self.device)
@@ -314,7 +314,8 @@ class PipelinedStep(PlainStep):
             # the run's m micro batches' (the first run after a switch between training and
             # evaluation adds torch's shape inference, one more call of the loss, before them)
             statistics += sum(pipe.loss.statistics[-m:], torch.zeros_like(statistics))
-        return loss_sum if statistics.numel() == 0 else torch.cat([loss_sum.reshape(1), statistics])
+        sums = loss_sum if statistics.numel() == 0 else torch.cat([loss_sum.reshape(1), statistics])
+        return sums if self.layout.tp_rank == 0 else torch.zeros_like(sums)  # a group's ranks computed the same
 
     def reduce_gradients(self):
         """The copies of the stage agree, then the tied embedding's two ends."""
@@ -334,7 +335,11 @@ class PipelinedStep(PlainStep):
         return pipeline.clip_grad_norm_(self.model, max_norm, self.groups)
 
     def agree_on_nonfinite(self):
-        """A stage that found no inf skips too, as the whole model would."""
+        """A stage (or a rank of a tensor-parallel group) that found no inf skips too, as the
+        whole model would."""
+        if self.groups.tensor is not None:  # each rank unscaled its own slices (tensor_parallel.LocalGradScaler)
+            # torch.distributed: allreduce (max) over the tensor-parallel group
+            distributed.share_found_inf(self.scaler, self.optimizer, self.groups.tensor.get_group())
         # torch.distributed: allreduce (max) along the pipeline
         distributed.share_found_inf(self.scaler, self.optimizer, self.groups.pipeline)
 
@@ -366,8 +371,10 @@ class PipelinedStep(PlainStep):
     def describe(self):
         layout, m = self.layout, self.pipe.n_microbatches
         bubble = pipeline.ideal_bubble(layout.stages, m, layout.stages_per_rank)
+        split = {"tensor_parallel": f"each stage's layers split over {layout.tp} workers"} if layout.tp > 1 else {}
         return {"pipeline": f"{self.cfg.parallel.schedule}, {m} micro batches per run, ideal bubble {bubble:.0%}, "
-                            f"gradients reduced {'after' if self.reduce_after else 'during'} the pipeline's backward"}
+                            f"gradients reduced {'after' if self.reduce_after else 'during'} the pipeline's backward",
+                **split}
 
     def close(self):
         self.groups.close()  # Horovod + torch.distributed: remove the process sets and groups (collective)

@@ -226,8 +226,9 @@ def build_model_and_optimizer(cfg: Config, data: DataBundle, device, grad_accum:
     peak_lr = t.lr * distributed.lr_scale(t.lr_scaling, shards)
     # The copies of a stage reduce gradients during backward (Horovod's hooks), or after the
     # pipeline's step where NCCL would otherwise run two communicators at once.
-    reduce_after = layout is not None and (par.reduce_gradients or
-                                           ("after" if device.type == "cuda" else "during")) == "after"
+    # Split layers' gradients (DTensors) do not go through Horovod's hooks: reduced after.
+    reduce_after = layout is not None and (tensor_groups is not None or (
+        par.reduce_gradients or ("after" if device.type == "cuda" else "during")) == "after")
     if par.shard != "none":
         tied_copy = layout is not None and layout.is_last and not layout.is_first  # not counted in the norm twice
         # the copies that reduce this worker's gradients: of its stage, of its slices, or all workers
@@ -259,16 +260,18 @@ def set_up(cfg: Config) -> Setup:
     world = distributed.init(cfg)  # Horovod: hvd.init
     par = cfg.parallel
     grad_accum, global_batch = resolve_batch(cfg, world.size)
-    # Pipeline stages: this worker's place in the stages x copies grid; the copies shard the data.
-    layout = (parallel_dims.layout_for(world.rank, world.size, par.pipeline_stages, par.stages_per_rank)
+    # Pipeline stages: this worker's place in the stages x copies (x tensor slices) grid; the copies shard the data.
+    layout = (parallel_dims.layout_for(world.rank, world.size, par.pipeline_stages, par.stages_per_rank,
+                                       tp=par.tensor_parallel)
               if par.pipeline_stages > 1 else None)
     shard, shards = (layout.dp_rank, layout.dp) if layout else (world.rank, world.size)
     # Split experts: each rank of an expert group holds 1/e of every layer's experts
     expert_groups = (expert_parallel.open_expert_groups(world.rank, world.size, par.expert_parallel)
                      if par.expert_parallel > 1 else None)  # Horovod: process sets, made by every rank
-    # Split layers: the t ranks of a tensor-parallel group read the same samples
+    # Split layers without stages: the t ranks of a tensor-parallel group read the same samples
+    # (with stages, the pipeline's groups include theirs: set-up 4)
     tensor_groups = (tensor_parallel.open_tensor_groups(world.rank, world.size, par.tensor_parallel, world.device)
-                     if par.tensor_parallel > 1 else None)  # torch.distributed groups, Horovod process sets
+                     if par.tensor_parallel > 1 and layout is None else None)  # torch.distributed groups, Horovod process sets
     if tensor_groups is not None:
         shard, shards = tensor_groups.dp_rank, tensor_groups.dp
 
@@ -283,6 +286,8 @@ def set_up(cfg: Config) -> Setup:
     if layout is not None:
         # Horovod + torch.distributed: process sets and groups, made by every rank
         groups = parallel_dims.open_groups(layout, "nccl" if world.device.type == "cuda" else "gloo")
+        if layout.tp > 1:  # split layers within the stages
+            tensor_groups = tensor_parallel.TensorGroups(layout, groups)
     bounds = pipeline_bounds(cfg, data, world, layout, grad_accum)
     model, optimizer, scaler, aliases, peak_lr, reduce_after = build_model_and_optimizer(
         cfg, data, world.device, grad_accum, shards, layout, groups, shard, bounds, expert_groups, tensor_groups)

@@ -149,8 +149,8 @@ class TrainingState:
             distributed.broadcast_state(self.model, self.optimizer, resumed=path is not None)
         saved = distributed.broadcast_object(saved, name="training_state")  # Horovod: broadcast from rank 0
         seed, rank = self.cfg.train.seed, self.world.rank
-        # the random streams: one per rank, or per tensor-parallel group (its ranks drop alike)
-        stream = rank if self.tensor_groups is None else self.tensor_groups.dp_rank
+        # the random streams: one per rank, or per tensor-parallel group (its ranks, neighbours, drop alike)
+        stream = rank // self.cfg.parallel.tensor_parallel
         if saved is None:
             rng.reseed_for_training(seed, stream, 0)
             return
@@ -169,7 +169,7 @@ class TrainingState:
         rngs = distributed.allgather_object(rng.capture(), name="rng")  # Horovod: allgather
         tmp = checkpoint.begin_checkpoint(self.cfg.out_dir, self.step) if self.world.is_main else None
         tmp = distributed.broadcast_object(tmp, name="checkpoint_folder")  # Horovod: broadcast from rank 0
-        if self.tensor_groups is not None:  # the first copy gathers the whole tensors, its first rank writes
+        if self.tensor_groups is not None:  # the first copy (of each stage) gathers the whole tensors, its first rank writes
             part = {}
             # sharded: each copy's slices of its local tensors, gathered over the copies
             local_state = self.optimizer.gathered() if self.sharded else None  # Horovod: allgather
@@ -178,8 +178,9 @@ class TrainingState:
                     self.model.state_dict(),
                     checkpoint.optimizer_tensors(self.optimizer, self.model, tensor_parallel.whole_tensor))
                 weights, state = tensor_parallel.whole_state(weights, state, self.model, self.tensor_groups)
-                if self.world.is_main:
-                    part = checkpoint.write_slices(tmp, 0, 1, weights, state)
+                index, count = (0, 1) if self.layout is None else (self.layout.stage, self.layout.stages)
+                if self.tensor_groups.rank == 0:
+                    part = checkpoint.write_slices(tmp, index, count, weights, state)
         elif self.sharded:  # every worker: its slices
             part = self.optimizer.write_part(tmp, self.world.rank, self.world.size)
         elif self.expert_groups is not None:  # the first expert group: its experts' rows (its rank 0: the rest)
