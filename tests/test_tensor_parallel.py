@@ -82,7 +82,7 @@ def test_two_slices_by_two_copies_train_as_one_worker(tmp_path, tiny_config):
     assert_same_params(load_params(split, 1), load_params(split, 3))
 
 
-@pytest.mark.parametrize("family", [GPT2, LLAMA], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("family", [GPT2, pytest.param(LLAMA, marks=pytest.mark.deep)], ids=["gpt2", "llama"])
 def test_two_slices_by_two_stages_train_as_one_worker_across_layouts(tmp_path, tiny_config, family):
     """4 workers, t=2 x p=2: each pipeline stage's layers split over a tensor-parallel group of
     neighbours (ranks 0 and 1 hold stage 0, 2 and 3 stage 1; GPT-2 ties its embedding between
