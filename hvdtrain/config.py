@@ -392,8 +392,8 @@ class ParallelConfig:
     # with torch.distributed.tensor.parallel; the workers / t copies are data parallel as without.
     # Must divide the workers, model.n_head and model.n_kv_head. With parallel.shard optimizer or
     # gradients each rank's slices are sharded over the copies holding the same ones. With pipeline
-    # stages each stage's layers are split (workers = t x stages x copies; not yet sharded). Not yet
-    # with model.arch mixtral, parallel.shard full or expert parallelism. 1: whole layers.
+    # stages each stage's layers are split (workers = t x stages x copies). Not yet with
+    # model.arch mixtral, parallel.shard full or expert parallelism. 1: whole layers.
     tensor_parallel: int = 1
 
     def check(self):
@@ -721,8 +721,6 @@ def validate(cfg: Config):
             # split layers' gradients (DTensors) do not go through Horovod's hooks
             _require(par.reduce_gradients != "during", "parallel.reduce_gradients",
                      "'after' with parallel.tensor_parallel > 1 and pipeline stages", par.reduce_gradients)
-            _require(par.shard == "none", "parallel.shard", "'none' with parallel.tensor_parallel > 1 and pipeline "
-                     "stages (sharding split stages is not supported yet)", par.shard)
         _require(par.shard != "full", "parallel.shard", "'none', 'optimizer' or 'gradients' with "
                  "parallel.tensor_parallel > 1 (gathering split weights unit by unit is not supported yet)", par.shard)
     # Cross-section: sharding reduce-scatters the gradients itself, uncompressed.

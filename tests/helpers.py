@@ -90,14 +90,14 @@ def train_workers(np: int, config: Path, *overrides, worker: str = "train_and_du
     return proc
 
 
-def train_sharded_across_layouts(config: Path, out_dir: Path, split: str):
-    """4 workers split by the override `split` with parallel.shard=optimizer to step 4, 2 workers
-    unsplit and unsharded to step 6, 4 split with parallel.shard=gradients to the end: a run
-    whose sharded checkpoints are written and read at other layouts."""
-    train_workers(4, config, f"out_dir={out_dir}", split, "parallel.shard=optimizer", "train.stop_at_step=4",
-                  timeout=600)
+def train_sharded_across_layouts(config: Path, out_dir: Path, *split: str, workers: int = 4):
+    """`workers` split by the overrides `split` with parallel.shard=optimizer to step 4, 2 workers
+    unsplit and unsharded to step 6, `workers` split with parallel.shard=gradients to the end: a
+    run whose sharded checkpoints are written and read at other layouts."""
+    train_workers(workers, config, f"out_dir={out_dir}", *split, "parallel.shard=optimizer", "train.stop_at_step=4",
+                  timeout=900)
     train_workers(2, config, f"out_dir={out_dir}", "train.stop_at_step=6")
-    train_workers(4, config, f"out_dir={out_dir}", split, "parallel.shard=gradients", timeout=600)
+    train_workers(workers, config, f"out_dir={out_dir}", *split, "parallel.shard=gradients", timeout=900)
 
 
 def training_workers(out_dir) -> list[int]:

@@ -739,7 +739,7 @@ def test_stage_memory_with_tensor_parallel_ranks_by_hand():
 def test_the_fit_table_picks_tensor_parallel_ranks_with_the_stages():
     """GPT-3 175B on 256 x 80 GB: the table holds t = 1, 2, 4, 8 with their stage counts; at the
     same p a larger t holds less per rank and sends the group's allreduces; the fastest layout
-    that fits splits the layers (t > 1), and the text names it (planned only: sharded)."""
+    that fits splits the layers (t > 1), and the text names it."""
     cfg = load_config(Path(__file__).resolve().parent.parent / "recipes" / "gpt3-175b.yaml")
     p = plan(cfg, gpus=256, gpu="H100")
     rows = [r for r in p["pipeline"]["rows"] if "error" not in r]
@@ -752,4 +752,3 @@ def test_the_fit_table_picks_tensor_parallel_ranks_with_the_stages():
     assert fastest["step_s"] == min(r["step_s"] for r in rows if r["fits"])
     text = planmod.format_plan(p)
     assert f"fastest that fits: t={fastest['tensor_parallel']} x p={fastest['stages']}" in text
-    assert "planned only: hvdtrain does not yet train parallel.shard=gradients" in text

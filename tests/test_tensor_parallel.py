@@ -164,6 +164,21 @@ def test_sharded_optimizer_over_the_copies_of_each_slice(tmp_path, tiny_config):
     assert_trains_as_one_worker(one, moved)
 
 
+@pytest.mark.deep
+def test_sharded_optimizer_over_the_copies_of_each_stage_slice(tmp_path, tiny_config):
+    """8 workers, t=2 x p=2 x 2 copies with parallel.shard: each rank's slices of its stage
+    sharded over the two copies holding them (ZeRO-1 to step 4, each stage's checkpoint part
+    gathered whole over its copies and its group; 2 workers unsplit to 6; ZeRO-2 to 8, each rank
+    reading its slice of its slices): the one worker's losses, gradient norms (clipped) and
+    weights."""
+    config = tiny_config({**GPT2, "train": {**GPT2["train"], "global_batch_size": 16}})  # 2 micro batches a copy
+    one, moved = tmp_path / "np1", tmp_path / "moved"
+    train_workers(1, config, f"out_dir={one}")
+    train_sharded_across_layouts(config, moved, "parallel.tensor_parallel=2", "parallel.pipeline_stages=2",
+                                 workers=8)
+    assert_trains_as_one_worker(one, moved)
+
+
 def test_fp16_a_slice_s_inf_skips_the_step_on_every_rank_of_the_group(tmp_path):
     """fp16 through the step engine (TensorParallelStep) with the fused AdamW of a GPU: the grad
     scaler unscales the split gradients as their local tensors (tensor_parallel.LocalGradScaler);

@@ -889,7 +889,7 @@ def _pipeline_section(cfg, stages: int, gpus: int, budget: float, net_gbps: floa
             if row["step_s"] is not None:
                 target.update(tokens_per_s=row["tokens_per_s"], mfu=row["mfu"])
     return {"stages": stages, "time_source": time_source, "chosen": chosen, "rows": rows, "fastest": fastest,
-            "target": target, "shard": cfg.parallel.shard}
+            "target": target}
 
 
 def _pipeline_micro_batch(cfg, stages: int, per_copy: int, budget: float, sdpa: bool,
@@ -1135,10 +1135,7 @@ def _format_pipeline(p: dict) -> list[str]:
     best = pipe["fastest"]
     if best is not None:
         lines.append(f"  fastest that fits: t={best['tensor_parallel']} x p={best['stages']} x {best['copies']} copies, "
-                     f"{best['step_s']:.3f} s per step"
-                     + (f" (planned only: hvdtrain does not yet train parallel.shard={pipe['shard']} with tensor "
-                        "parallelism and pipeline stages together)"
-                        if best["tensor_parallel"] > 1 and best["stages"] > 1 and pipe["shard"] != "none" else ""))
+                     f"{best['step_s']:.3f} s per step")
     return lines
 
 
