@@ -159,13 +159,17 @@ def test_the_records_of_another_tune_are_not_touched(tmp_path):
 
 
 def test_the_candidates_are_the_layouts_the_plan_lets_fit_the_recipe_s_own_first():
-    """gpt-tiny (2 layers) on 2 workers: 1 stage x 2 copies at every sharding level, and 2 stages
-    (gpipe or 1f1b, even or auto; interleaving needs 4 layers) without sharding; micro batch 4, 8,
-    16; checkpointing off and on; every one distinct and accepted by the config."""
+    """gpt-tiny (2 layers, 4 heads) on 2 workers: 1 stage x 2 copies at every sharding level, 2
+    stages (gpipe or 1f1b, even or auto; interleaving needs 4 layers) without sharding, and the
+    layers split over both (t=2, one copy: unsharded); micro batch 4, 8, 16; checkpointing off
+    and on; every one distinct and accepted by the config."""
     machine = tune.Machine(2, "H100", 0.9 * 80 * 2 ** 30, 100.0, 989.0)
     found = tune.fitting(RECIPE, [], machine)
     assert found[0].layout == tune.layout_of(load_config(RECIPE))
-    assert len(found) == 3 * 2 * (4 + 2 * 2) and all(c.fits for c in found)
+    assert len(found) == 3 * 2 * (4 + 2 * 2 + 1) and all(c.fits for c in found)
+    split = [c.layout for c in found if c.layout["parallel.tensor_parallel"] == 2]
+    assert len(split) == 3 * 2 and {(s["parallel.pipeline_stages"], s["parallel.shard"]) for s in split} == {(1, "none")}
+    assert tune.layout_name(split[0]).startswith("t=2, 1 stage, micro")
     assert {c.layout["parallel.schedule"] for c in found if c.stages == 2} == {"gpipe", "1f1b"}
     assert {c.layout["parallel.shard"] for c in found if c.stages == 2} == {"none"}
 
