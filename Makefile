@@ -18,9 +18,10 @@ train: setup
 	$(BIN)/hvdtrain launch -np $(NP) $(RECIPE)
 	$(BIN)/hvdtrain generate runs/gpt-tiny/hf "The Python language" --max-new-tokens 40
 
-# Every test but the wider grids marked `deep` (under 45 minutes on 2 cores).
+# Every test but the wider grids marked `deep` (under 45 minutes on 2 cores); the 25 slowest
+# named at the end, to keep an eye on that limit.
 test: setup
-	$(BIN)/python -m pytest -q -m "not deep" tests
+	$(BIN)/python -m pytest -q -m "not deep" --durations=25 tests
 
 # The wider grids of each capability (layouts x levels x families), beyond make test's key cases;
 # set-up adds the `eval` extra (lm-evaluation-harness) that tests/test_lm_eval.py scores exports with.
