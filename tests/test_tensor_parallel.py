@@ -31,20 +31,23 @@ def exported(run) -> dict:
     return load_file(str(run / "hf" / "model.safetensors"))
 
 
-def assert_trains_as_one_worker(one, split, atol=1e-5):
+def assert_trains_as_one_worker(one, split):
     """The same per-step losses and gradient norms (clipped), and the same exported weights
-    within 1e-5; GPT-2's attention bias within 1e-4: its key part gets no gradient in exact
-    arithmetic (softmax ignores what it adds to every score of a query), so AdamW's steps there
-    are the two computations' rounding, divided by its own square root (1.6e-5 seen). `atol`:
-    the other weights'."""
+    within 5e-5: AdamW (lr 1e-2) divides each gradient by its own running root mean square, so
+    where a gradient is near zero the split and the whole sums' rounding moves the weight by a
+    visible fraction of a step (1.3e-5 seen in one element of Llama's gate_proj on an AMD EPYC,
+    under 1e-5 on the CPUs before it; 2.4e-5 for a 4-layer GPT-2 at t=2 x p=2).
+    GPT-2's attention bias within 1e-4: its key part gets no gradient in exact arithmetic
+    (softmax ignores what it adds to every score of a query), so AdamW's steps there are the
+    two computations' rounding alone (1.6e-5 seen)."""
     assert_same_losses(step_losses(one), step_losses(split), min_steps=8)
     for a, b in zip(read_metrics(one)[0], read_metrics(split)[0]):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4) and a["grad_norm"] > 0.5  # clipped
     whole, joined = exported(one), exported(split)
     assert whole.keys() == joined.keys()
     for name in whole:
-        tolerance = 1e-4 if name.endswith("attn.c_attn.bias") else atol
-        torch.testing.assert_close(joined[name], whole[name], rtol=0, atol=tolerance, msg=name)
+        atol = 1e-4 if name.endswith("attn.c_attn.bias") else 5e-5
+        torch.testing.assert_close(joined[name], whole[name], rtol=0, atol=atol, msg=name)
 
 
 @pytest.mark.parametrize("family", [GPT2, LLAMA, BERT, pytest.param(MODERNBERT, marks=pytest.mark.deep)],
@@ -69,8 +72,8 @@ def test_two_slices_train_as_one_worker(tmp_path, tiny_config, family):
         for rank in (0, 1):
             mine = load_params(split, rank)
             up, down = "model.layers.1.mlp.up_proj.weight", "model.layers.1.mlp.down_proj.weight"
-            torch.testing.assert_close(mine[up], whole[up][32 * rank:32 * (rank + 1)], rtol=0, atol=1e-5)
-            torch.testing.assert_close(mine[down], whole[down][:, 32 * rank:32 * (rank + 1)], rtol=0, atol=1e-5)
+            torch.testing.assert_close(mine[up], whole[up][32 * rank:32 * (rank + 1)], rtol=0, atol=5e-5)
+            torch.testing.assert_close(mine[down], whole[down][:, 32 * rank:32 * (rank + 1)], rtol=0, atol=5e-5)
 
 
 def test_two_slices_by_two_copies_train_as_one_worker(tmp_path, tiny_config):
@@ -112,15 +115,14 @@ def test_two_slices_by_two_stages_keep_the_step_s_features(tmp_path, tiny_config
     """4 workers, t=2 x p=2 with activation checkpointing (each split layer run again in
     backward), an interleaved schedule (two stages per rank of a 4-layer model, each split) or
     compiled blocks (torch.compile of each split layer): one worker's losses, gradient norms
-    (clipped) and export, none of which these change. The 4-layer model's export within 5e-5:
-    8 AdamW steps carry the split sums' rounding through twice the layers (a plain t=2 x p=2 run
-    of it differs from one worker by 2.4e-5, and the interleaved run from both by as much)."""
+    (clipped) and export, none of which these change (the 4-layer model's interleaved run
+    differs by 2e-5 from a plain t=2 x p=2 run, which differs from one worker by 2.4e-5)."""
     config = tiny_config({**GPT2, "model": {"n_layer": layers}})
     one, cube = tmp_path / "np1", tmp_path / "cube"
     train_workers(1, config, f"out_dir={one}")
     train_workers(4, config, f"out_dir={cube}", "parallel.tensor_parallel=2", "parallel.pipeline_stages=2",
                   *features, timeout=900)
-    assert_trains_as_one_worker(one, cube, atol=1e-5 if layers == 2 else 5e-5)
+    assert_trains_as_one_worker(one, cube)
 
 
 @pytest.mark.deep
@@ -149,7 +151,7 @@ def test_a_checkpoint_resumes_at_another_tensor_parallel_size(tmp_path, tiny_con
     train_workers(2, config, f"out_dir={moved}", "train.stop_at_step=6")
     train_workers(2, config, f"out_dir={moved}", "parallel.tensor_parallel=2")
     assert_same_losses(step_losses(straight), step_losses(moved), min_steps=8)
-    assert_same_params(exported(straight), exported(moved), atol=1e-5)
+    assert_same_params(exported(straight), exported(moved), atol=5e-5)  # see assert_trains_as_one_worker
 
 
 def test_sharded_optimizer_over_the_copies_of_each_slice(tmp_path, tiny_config):
