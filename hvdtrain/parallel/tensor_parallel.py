@@ -66,7 +66,7 @@ class TensorGroups:
 
     @property
     def dp(self) -> int:
-        """Copies: world / t."""
+        """Copies of this rank's slices (and stage): world / (t x pipeline stages)."""
         return self.layout.dp
 
     @property
