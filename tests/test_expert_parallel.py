@@ -152,6 +152,7 @@ def test_the_timeline_share_sums_each_operation_from_its_submission_to_its_end(t
                                        "share": 0.7}
 
 
+@pytest.mark.deep
 def test_sharded_optimizer_over_the_copies_of_each_expert(tmp_path, tiny_config):
     """4 workers, e=2 x 2 copies, with parallel.shard: the dense weights sharded over all four,
     each expert weight over the two ranks holding it (ZeRO-1 to step 4, each rank writing its

@@ -185,7 +185,7 @@ def test_a_tensor_parallel_group_across_hosts_is_one_line(tmp_path, hosts, tiny_
     assert not out.exists()
 
 
-@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+@pytest.mark.parametrize("controller", ["gloo", pytest.param("mpi", marks=pytest.mark.deep)])
 def test_a_host_without_the_venv_is_one_line_naming_the_host(tmp_path, hosts, tiny_config, controller):
     (tmp_path / "empty").mkdir()
     hosts.start("127.0.0.3", {BIN: tmp_path / "empty"})

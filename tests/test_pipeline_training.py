@@ -61,7 +61,7 @@ DEEP = pytest.mark.deep
 
 @pytest.mark.parametrize("arch,schedule", [pytest.param("gpt2", "gpipe", marks=DEEP), ("gpt2", "1f1b"), ("bert", "1f1b"),
                                            pytest.param("bert", "gpipe", marks=DEEP), ("llama", "1f1b"),
-                                           pytest.param("llama-untied", "gpipe", marks=DEEP), ("modernbert", "1f1b")])
+                                           pytest.param("llama-untied", "gpipe", marks=DEEP), pytest.param("modernbert", "1f1b", marks=DEEP)])
 def test_two_stages_equal_one_worker(tmp_path, one_worker, arch, schedule):
     config, reference = one_worker(arch)
     out = tmp_path / "pp2"
@@ -80,6 +80,7 @@ def test_two_stages_equal_one_worker(tmp_path, one_worker, arch, schedule):
         assert "lm_head.weight" not in load_params(out, 0) and "model.embed_tokens.weight" not in load_params(out, 1)
 
 
+@DEEP
 def test_two_stages_times_two_copies_equal_two_copies(tmp_path, tiny_config):
     config = tiny_config(PIPE)
     dp2, grid = tmp_path / "dp2", tmp_path / "pp2dp2"

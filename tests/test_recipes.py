@@ -106,7 +106,8 @@ def test_tiny_pipeline_recipe_trains_in_two_stages(tmp_path):
     assert check.returncode == 0 and check.stdout.startswith("GPT2LMHeadModel"), check.stderr[-2000:]
 
 
-@pytest.mark.parametrize("recipe,suffix", [("gpt-tiny", ".txt"), ("gpt-tiny", ".jsonl"), ("llama-tiny", ".txt")])
+@pytest.mark.parametrize("recipe,suffix", [("gpt-tiny", ".txt"), pytest.param("gpt-tiny", ".jsonl", marks=pytest.mark.deep),
+                                           ("llama-tiny", ".txt")])
 def test_local_corpus_and_tokenization_cache(tmp_path, recipe, suffix):
     from hvdtrain.data.text import builtin_corpus
     docs = [d for d in builtin_corpus()["text"][:40]]

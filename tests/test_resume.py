@@ -71,7 +71,7 @@ def test_kill_during_checkpoint_write_keeps_previous_checkpoint(tmp_path, tiny_c
     assert checkpoint.newest_intact_checkpoint(out).name == f"step_{STEPS:08d}"
 
 
-@pytest.mark.parametrize("rule,factor", [("linear", 2.0), ("sqrt", 2 ** 0.5)])
+@pytest.mark.parametrize("rule,factor", [("linear", 2.0), pytest.param("sqrt", 2 ** 0.5, marks=pytest.mark.deep)])
 def test_lr_scaling_at_two_workers(tmp_path, tiny_config, rule, factor):
     from helpers import read_metrics
     config = tiny_config({"train": {"max_steps": 4, "warmup_steps": 2, "schedule": "constant", "lr": 1e-3,

@@ -49,7 +49,7 @@ def test_a_non_finite_step_is_skipped_and_counted(tmp_path, tiny_config, precisi
     assert checkpoint.find_problem(checkpoint.newest_intact_checkpoint(out)) is None
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("fp16", marks=pytest.mark.deep)])
 def test_too_many_non_finite_steps_in_a_row_stop_the_run(tmp_path, tiny_config, precision):
     config = tiny_config({"train": {"max_steps": 8, "max_bad_steps": 3, "precision": precision},
                           "checkpoint": {"every": 1}})

@@ -64,7 +64,7 @@ def test_sharded_equals_unsharded_and_one_worker(tmp_path, tiny_config, optimize
 
 
 @pytest.mark.workers
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.deep)])
 def test_a_full_gradient_is_freed_once_its_reduce_scatter_is_done_during_backward(tmp_path, tiny_config, dtype):
     """The reduced slices take the full gradients' place (8 + 8/d bytes per parameter, bf16
     6 + 12/d), not beside them until backward ends."""
@@ -133,7 +133,8 @@ def test_two_stages_times_two_sharded_copies_equal_the_unsharded_grid(tmp_path, 
 
 
 @pytest.mark.workers
-@pytest.mark.parametrize("precision,optimizer", [("fp16", "adamw"), ("fp16", "lamb"), ("fp32", "adamw")])
+@pytest.mark.parametrize("precision,optimizer", [("fp16", "adamw"), pytest.param("fp16", "lamb", marks=pytest.mark.deep),
+                                                       ("fp32", "adamw")])
 def test_a_step_only_one_ranks_slices_find_non_finite_is_skipped_on_every_rank(tmp_path, tiny_config, precision,
                                                                                 optimizer):
     """Rank 0's slice of one parameter gets an inf in step 3: with fp16 the grad scaler of every
@@ -152,6 +153,7 @@ def test_a_step_only_one_ranks_slices_find_non_finite_is_skipped_on_every_rank(t
     assert all(torch.equal(v, load_params(out, 1)[k]) for k, v in load_params(out, 0).items())
 
 
+@pytest.mark.deep
 @pytest.mark.workers
 def test_resume_across_layouts_equals_a_straight_run(tmp_path, tiny_config):
     """Sharded over 2 workers to step 4, on one worker unsharded to 6, sharded over 4 to 8, in 2

@@ -76,6 +76,7 @@ def test_two_slices_train_as_one_worker(tmp_path, tiny_config, family):
             torch.testing.assert_close(mine[down], whole[down][:, 32 * rank:32 * (rank + 1)], rtol=0, atol=5e-5)
 
 
+@pytest.mark.deep
 def test_two_slices_by_two_copies_train_as_one_worker(tmp_path, tiny_config):
     """4 workers, t=2 x 2 data-parallel copies: ranks 0 and 2 (1 and 3) hold the same slices and
     reduce their gradients in a process set of their own; the losses and export are one worker's."""
@@ -195,6 +196,7 @@ def test_fp16_a_slice_s_inf_skips_the_step_on_every_rank_of_the_group(tmp_path):
         assert states == expected
 
 
+@pytest.mark.deep
 def test_fp16_sharded_an_inf_in_one_rank_s_slices_skips_the_step_on_both(tmp_path, tiny_config):
     """t=2 on 2 workers with parallel.shard=gradients (each rank's slices sharded over a copy of
     one): rank 0's own slice gets an inf in step 3 (tests/workers/sharded_overflow.py); rank 1

@@ -117,6 +117,7 @@ def test_a_trial_that_runs_out_of_memory_is_recorded_and_tune_goes_on(tmp_path):
     assert "the recipe's own layout" not in (out / "best.yaml").read_text()
 
 
+@pytest.mark.deep
 @pytest.mark.workers
 def test_a_trial_that_stalls_is_ended_at_its_limit_and_recorded(tmp_path):
     """The recipe's own layout never reaches its first step on rank 1: ended at --trial-limit as

@@ -7,7 +7,7 @@ from helpers import assert_same_losses, assert_same_params, load_params, step_lo
 pytestmark = pytest.mark.workers
 
 
-@pytest.mark.parametrize("arch, micro", [("gpt2", 1), ("bert", 2)])
+@pytest.mark.parametrize("arch, micro", [("gpt2", 1), pytest.param("bert", 2, marks=pytest.mark.deep)])
 def test_two_workers_with_uneven_shares_equal_one_worker(tmp_path, tiny_config, arch, micro):
     """Global batch 5 on 2 workers: shares of 2 and 3 samples. At micro batch 1 every rank runs
     3 micro batches and the share of 2 fills one with a stand-in that predicts nothing; at micro
