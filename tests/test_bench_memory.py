@@ -1,6 +1,6 @@
 """`hvdtrain bench memory` (hvdtrain/tools/bench_memory.py): one real run at the smallest sizes, whose
 optimizer state is the plan's to the byte, halved by sharding over 2 workers; full sharding's
-peak below the unsharded one."""
+peak below the unsharded one; a tensor-parallel group's workers keep their slices' state."""
 import json
 import os
 
@@ -25,6 +25,31 @@ def test_sharding_over_two_workers_halves_the_optimizer_state_and_full_sharding_
         assert row["peak_bytes"] > row["optimizer_bytes"]
     assert rows["optimizer"]["optimizer_bytes"] == pytest.approx(rows["none"]["optimizer_bytes"] / 2, rel=0.01)
     assert rows["full"]["peak_bytes"] < rows["none"]["peak_bytes"]
+
+
+@pytest.mark.workers
+def test_two_tensor_parallel_ranks_each_keep_their_slices_state_as_the_plan_counts(tmp_path):
+    """The same GPT at parallel.tensor_parallel=2, one copy (2 workers): each rank's optimizer
+    state is its slices' (the DTensor moments' local tensors, not the whole weights'), the plan's
+    to 1%, and about half of the unsplit model's (the embeddings stay whole on both)."""
+    from hvdtrain.config import load_config
+    from hvdtrain.tools import bench_memory
+    config = write_config(tmp_path / "config.yaml", {"model": {"n_layer": 4, "d_model": 256, "n_head": 4}})
+    proc = hvdtrain("bench", "memory", config, "parallel.tensor_parallel=2", "--copies", "1", "--levels", "none",
+                    "--steps", "1", "--json", timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [row] = json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
+    assert (row["copies"], row["tensor_parallel"]) == (1, 2)
+    assert row["optimizer_bytes"] == pytest.approx(row["predicted"]["optimizer_bytes"], rel=0.01)
+    unsplit = bench_memory.predicted(load_config(str(config), []), 1, "cpu")["optimizer_bytes"]
+    assert 0.5 * unsplit < row["optimizer_bytes"] < 0.55 * unsplit
+
+
+def test_pipeline_stages_are_one_line_naming_bench_pipeline(tmp_path):
+    proc = hvdtrain("bench", "memory", write_config(tmp_path / "c.yaml", TINY), "parallel.pipeline_stages=2")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "hvdtrain: error: parallel.pipeline_stages: expected 1 for bench memory (got 2); `hvdtrain bench pipeline` "
+        "measures each stage's memory"], proc.stderr
 
 
 @pytest.mark.workers

@@ -4,12 +4,14 @@
     hvdtrain bench memory [CONFIG] [overrides] [--copies 1,2,4] [--levels none,optimizer,gradients,full]
                           [--steps 3] [--threads 1] [--json]
 
-For each d in --copies, one run of d workers per level started by horovodrun as `hvdtrain launch`
-starts them, each worker running hvdtrain.training.train's set_up and step loop (what `hvdtrain
+For each d in --copies, one run of d data-parallel copies per level (d x t workers with
+parallel.tensor_parallel = t: each copy's layers split over a group of t) started by horovodrun as
+`hvdtrain launch` starts them, each worker running hvdtrain.training.train's set_up and step loop (what `hvdtrain
 train` runs) on the recipe's model with synthetic data, with parallel.shard at that level. Each worker
 reports
   * its optimizer state: the bytes of the tensors the optimizer keeps (moments and step counts;
-    sharded: this worker's slices, and the fp32 master slices where the weights are 16-bit);
+    sharded: this worker's slices, and the fp32 master slices where the weights are 16-bit; split
+    by tensor parallelism: this worker's slices of the split weights' state);
   * its peak memory over the training steps: on a GPU torch.cuda.max_memory_allocated (reset
     after set-up); on a CPU the peak resident set size (VmHWM, reset after set-up) less the
     resident size before set-up (the libraries), so the weights, gradients, optimizer state,
@@ -75,6 +77,11 @@ def run_memory_bench(args) -> int:
     overrides = [*DEFAULT_OVERRIDES, *overrides] if config is None else ["data.source=synthetic", *overrides]
     config = config or DEFAULT_RECIPE
     copies = sorted(set(parse_ints(args.copies, "--copies")))
+    parallel = load_config(config, overrides).parallel
+    if parallel.pipeline_stages > 1:  # the plan's per-stage memory is `bench pipeline`'s to measure
+        raise UserError(f"parallel.pipeline_stages: expected 1 for bench memory (got {parallel.pipeline_stages}); "
+                        "`hvdtrain bench pipeline` measures each stage's memory")
+    group = parallel.tensor_parallel  # the workers of one copy
     levels = args.levels.split(",")
     if not levels or any(level not in SHARD_LEVELS for level in levels):
         raise UserError(f"--levels: expected a comma-separated list of {', '.join(SHARD_LEVELS)}, got {args.levels!r}")
@@ -86,10 +93,10 @@ def run_memory_bench(args) -> int:
         cfgs = {key: load_config(config, [*overrides, *run_overrides(args, key[1], Path(tmp))]) for key in layouts}
         for d, level in layouts:  # every config checked above, before any run starts
             own = run_overrides(args, level, Path(tmp) / f"d{d}-{level}")
-            reports = run_workers(d, "memory", config, [*overrides, *own], args.threads)
+            reports = run_workers(d * group, "memory", config, [*overrides, *own], args.threads)
             expected = predicted(cfgs[d, level], d, reports[0]["device"])
             worst = max(reports, key=lambda r: r["peak_bytes"])
-            rows.append({"copies": d, "level": level, "device": reports[0]["device"],
+            rows.append({"copies": d, "tensor_parallel": group, "level": level, "device": reports[0]["device"],
                          "optimizer_bytes": max(r["optimizer_bytes"] for r in reports),
                          "peak_bytes": worst["peak_bytes"], "predicted": expected})
     result = {"config": config, "overrides": overrides, "steps": args.steps, "threads": args.threads, "rows": rows}
@@ -104,8 +111,10 @@ def print_result(result: dict):
     rows = result["rows"]
     memory = ("peak GPU memory (max_memory_allocated)" if rows[0]["device"] == "cuda"
               else "peak RSS over the RSS before set-up")
+    group = rows[0]["tensor_parallel"]
+    workers = "d" if group == 1 else f"d x t={group} workers (t: a copy's tensor-parallel group)"
     print(f"memory: {result['config']} {' '.join(result['overrides'])}\n"
-          f"  per worker, the largest of the d workers; {memory}; plan: hvdtrain.tools.plan.memory_bytes for the same "
+          f"  per worker, the largest of the {workers}; {memory}; plan: hvdtrain.tools.plan.memory_bytes for the same "
           f"config and d, without the CUDA context{'' if rows[0]['device'] == 'cuda' else CPU_PLAN}")
     print(f"  {'d':>3} {'shard':>9} {'optimizer state':>16} {'plan':>10} {'ratio':>6} {'peak':>12} {'plan':>12} "
           f"{'ratio':>6}")
@@ -121,9 +130,12 @@ def print_result(result: dict):
 
 def optimizer_bytes(optimizer) -> int:
     """Bytes of the tensors the optimizer keeps: its state, and a sharded optimizer's fp32
-    master slices where they are not views into the weights."""
+    master slices where they are not views into the weights. The state of a weight split by
+    tensor parallelism is a DTensor whose numel is the whole weight's: its local tensor is what
+    this worker keeps."""
     from hvdtrain.parallel.sharded_optimizer import ShardedOptimizer
-    tensors = [v for state in optimizer.state.values() for v in state.values() if hasattr(v, "element_size")]
+    from hvdtrain.parallel.distributed import local
+    tensors = [local(v) for state in optimizer.state.values() for v in state.values() if hasattr(v, "element_size")]
     if isinstance(optimizer, ShardedOptimizer):
         tensors += [s.master for s in optimizer.slices if s.master._base is None]
     return sum(t.numel() * t.element_size() for t in tensors)
@@ -152,7 +164,8 @@ def add_cli(kinds):
     p.add_argument("config", nargs="?", help=f"YAML recipe (default: {DEFAULT_RECIPE} with a short context and a "
                                              "small vocabulary); its data is replaced by synthetic data")
     p.add_argument("overrides", nargs="*", help="dotted overrides such as model.n_layer=6")
-    p.add_argument("--copies", default="1,2,4", help="data-parallel workers d, one run per level each (default 1,2,4)")
+    p.add_argument("--copies", default="1,2,4", help="data-parallel copies d, one run per level each (default 1,2,4); "
+                                                     "with parallel.tensor_parallel=t each copy is t workers")
     p.add_argument("--levels", default=",".join(SHARD_LEVELS), help=f"parallel.shard levels (default {','.join(SHARD_LEVELS)})")
     p.add_argument("--steps", type=int, default=3, help="steps per run (default 3)")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per worker (default 1)")
