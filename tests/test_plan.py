@@ -677,6 +677,24 @@ def test_split_experts_leave_each_worker_its_share_and_an_alltoall():
         plan(olmoe_shaped(8), gpus=12)
 
 
+def test_one_stage_of_split_experts_is_the_plan_s_worker_and_its_slot_carries_the_alltoall():
+    """The layout table tune ranks (pipeline_plan, one stage): with e = 8 the rank's memory is
+    memory_bytes' (8 of each layer's 64 experts held), and each micro batch's slot gains that
+    micro batch's alltoall at the network's bandwidth; the expert sizes tune tries divide the
+    experts and the copies."""
+    for e in (1, 8):
+        cfg = olmoe_shaped(e)
+        (rank,) = stage_memory(cfg, 1, 4, False)
+        assert rank["params"] == planmod.params_per_worker(cfg)
+        assert rank["total"] == memory_bytes(cfg, 4, False)["total"]
+    rows = {e: planmod.pipeline_plan(olmoe_shaped(e), 1, 64, 80 * 2 ** 30, 100.0, 0.0, 1e-15, 989.0) for e in (1, 8)}
+    alltoall = planmod.alltoall_bytes(olmoe_shaped(8), 4, 1) * 8 / 100e9
+    assert rows[8]["slot_s"] == pytest.approx(rows[1]["slot_s"] + alltoall)
+    assert planmod.expert_sweep(olmoe_shaped(1), 8) == [1, 2, 4, 8]
+    assert planmod.expert_sweep(olmoe_shaped(1), 6) == [1, 2]
+    assert planmod.expert_sweep(small_gpt(), 8) == [1]
+
+
 def llama_shaped(t: int, **model):
     """Llama-like: 4 layers of d 256, 8 heads (2 key/value), bf16, micro batch 2 of 128 tokens,
     global batch 32: the numbers below are worked out from these."""

@@ -506,7 +506,9 @@ def stage_memory(cfg, microbatches: int, micro_batch: int, checkpointing: bool, 
 
     With parallel.tensor_parallel = t each layer's weights, their state, the activations inside
     its split span (layer_activation_bytes) and its FLOPs are 1/t on each rank of a group
-    (the stages' boundaries, embeddings and head are whole).
+    (the stages' boundaries, embeddings and head are whole). With parallel.expert_parallel = e
+    each layer's experts and their state are 1/e on each rank of an expert group; their FLOPs
+    are not (each rank runs its experts on the tokens the others send it).
 
     Each entry: rank, stages (pipeline stage ids), layers ([first, end) per stage), params,
     flops_per_token (the rank's share of model_flops_per_token), in_flight, parts, total."""
@@ -517,10 +519,13 @@ def stage_memory(cfg, microbatches: int, micro_batch: int, checkpointing: bool, 
     bounds = planned_bounds(cfg, p, v)
     counts = stage_params(**dims, bounds=bounds, head_fraction=head_fraction(cfg))
     matmul_weights = [c["flops_params"] for c in stage_params(**dims, bounds=bounds)]  # all of BERT's head too
-    layer_params = parameter_parts(cfg).layer
+    layer_params, expert_params, e = parameter_parts(cfg).layer, parameter_parts(cfg).experts, par.expert_parallel
 
     def split_off(g: int) -> int:  # the parameters of stage g's layers on the group's other ranks
         return counts[g]["layers"] * layer_params * (t - 1) // t
+
+    def experts_elsewhere(g: int) -> int:  # stage g's experts on the other ranks of the expert group
+        return counts[g]["layers"] * expert_params * (e - 1) // e
     n = p * v
     s, b, d = cfg.data.seq_len, micro_batch, cfg.model.d_model
     sbh = s * b * d
@@ -532,7 +537,7 @@ def stage_memory(cfg, microbatches: int, micro_batch: int, checkpointing: bool, 
     for r in range(p):
         ids = [r + k * p for k in range(v)]
         mine = [counts[g] for g in ids]
-        n_params = sum(counts[g]["params"] - split_off(g) for g in ids)
+        n_params = sum(counts[g]["params"] - split_off(g) - experts_elsewhere(g) for g in ids)
         k = in_flight(par.schedule, p, v, microbatches, r)
 
         def per_micro_batch(g: int) -> int:
@@ -621,7 +626,10 @@ def pipeline_plan(cfg, stages: int, gpus: int, budget: float, net_gbps: float, l
                                                   micro batch (its FLOPs x spf, and with tensor
                                                   parallelism its layers' allreduces within the
                                                   group over `tp_gbps`, on the critical path:
-                                                  tensor_parallel_allreduces); v stages per rank
+                                                  tensor_parallel_allreduces; with expert
+                                                  parallelism its alltoalls over `net_gbps`,
+                                                  as `plan` counts them: alltoall_bytes);
+                                                  v stages per rank
         + gradient allreduce among the copies of the slowest-to-reduce rank (ring over the
           copies): all of it exposed when reduced "after" the pipeline's run (the GPU default),
           else what the last micro batch's backward does not hide (exposed_comm_seconds)
@@ -644,10 +652,11 @@ def pipeline_plan(cfg, stages: int, gpus: int, budget: float, net_gbps: float, l
     tokens_micro = micro * cfg.data.seq_len
     slot = max(r["flops_per_token"] for r in ranks) * tokens_micro * spf  # one micro batch on the slowest rank
     t = cfg.parallel.tensor_parallel
+    share = max(sum(end - first for first, end in r["layers"]) for r in ranks) / cfg.model.n_layer  # its layers
     if t > 1:  # the group's allreduces of the slowest rank's layers, one micro batch
         count, each = tensor_parallel_allreduces(cfg, micro, 1)
-        layers = max(sum(e - b for b, e in r["layers"]) for r in ranks)
-        slot += count * layers / cfg.model.n_layer * ring_allreduce_seconds(each, t, tp_gbps, latency_s)
+        slot += count * share * ring_allreduce_seconds(each, t, tp_gbps, latency_s)
+    slot += share * alltoall_bytes(cfg, micro, 1) * 8 / (net_gbps * 1e9)  # 0 without expert parallelism
     compute = batches["runs"] * (v * m + stages - 1) * slot / v
     if stages == 1:
         comm = step_comm(c, batches["copies"], net_gbps, latency_s)
@@ -689,6 +698,16 @@ def tensor_sweep(cfg, gpus: int) -> list[int]:
     if family(m.arch).splits_layers:
         options |= {t for t in (2, 4, 8) if gpus % t == 0 and m.n_head % t == 0 and (m.n_kv_head or m.n_head) % t == 0}
     return sorted(options)
+
+
+def expert_sweep(cfg, copies: int) -> list[int]:
+    """The expert-parallel sizes to compare over `copies` data-parallel copies: 1, and for a
+    family with experts the configured e and 2, 4 and 8 where e divides the experts and the
+    copies (an expert group is made of copies)."""
+    experts = family(cfg.model.arch).family_shape(cfg.model).get("experts")
+    if not experts:
+        return [1]
+    return sorted(e for e in {1, cfg.parallel.expert_parallel, 2, 4, 8} if copies % e == 0 and experts % e == 0)
 
 
 def with_tensor_parallel(cfg, t: int):

@@ -8,7 +8,9 @@
 1. Candidates (`layouts`, `fitting`): every layout of the config on N workers that hvdtrain
    accepts and that the plan says fits the GPU's memory (plan.pipeline_plan): the layers split
    over t workers (plan.tensor_sweep: 1, 2, 4, 8 where the family splits its layers and t divides
-   the heads and N), the pipeline stages of the N / t workers (plan.stage_sweep) and, with more than one, the schedule (gpipe, 1f1b, and
+   the heads and N), the pipeline stages of the N / t workers (plan.stage_sweep), for a family
+   with experts the expert groups of its copies (plan.expert_sweep: e = 1, 2, 4, 8 dividing the
+   experts and the copies) and, with more than one stage, the schedule (gpipe, 1f1b, and
    interleaved1f1b at 2 stages per rank where the layers allow) and the split (even, or measured:
    layer_boundaries auto); the micro batch (the config's, half and double it); activation
    checkpointing off and on; and, with more than one data-parallel copy, the sharding level.
@@ -73,7 +75,7 @@ RECORDS = "trials.jsonl"
 def layout_of(cfg) -> dict:
     """The keys tune varies, as `cfg` has them (the recipe's own layout)."""
     par = cfg.parallel
-    return {"parallel.tensor_parallel": par.tensor_parallel,
+    return {"parallel.tensor_parallel": par.tensor_parallel, "parallel.expert_parallel": par.expert_parallel,
             "parallel.pipeline_stages": par.pipeline_stages, "parallel.schedule": par.schedule,
             "parallel.stages_per_rank": par.stages_per_rank, "parallel.layer_boundaries": par.layer_boundaries,
             "train.micro_batch_size": cfg.train.micro_batch_size,
@@ -85,8 +87,9 @@ def layout_overrides(layout: dict) -> list[str]:
 
 
 def layout_name(layout: dict) -> str:
-    """'t=2, 2 stages 1f1b auto, micro 4, ckpt, shard none' (t=1 left out)"""
+    """'t=2, 2 stages 1f1b auto, micro 4, ckpt, shard none' or 'e=2, 1 stage, ...' (t=1 and e=1 left out)"""
     t, p, v = layout["parallel.tensor_parallel"], layout["parallel.pipeline_stages"], layout["parallel.stages_per_rank"]
+    e = layout["parallel.expert_parallel"]
     parts = [f"{p} stage{'s' if p > 1 else ''}"]
     if p > 1:
         bounds = layout["parallel.layer_boundaries"]
@@ -96,7 +99,7 @@ def layout_name(layout: dict) -> str:
     if layout["model.activation_checkpointing"]:
         parts.append("ckpt")
     parts.append(f"shard {layout['parallel.shard']}")
-    return ", ".join(([f"t={t}"] if t > 1 else []) + parts)
+    return ", ".join(([f"t={t}"] if t > 1 else []) + ([f"e={e}"] if e > 1 else []) + parts)
 
 
 def layouts(cfg, gpus: int) -> list[dict]:
@@ -105,9 +108,10 @@ def layouts(cfg, gpus: int) -> list[dict]:
     own = layout_of(cfg)
     micro = cfg.train.micro_batch_size
     out = [own]
-    grid = [(split, stages) for split in plan.tensor_sweep(cfg, gpus)
-            for stages in plan.stage_sweep(cfg, gpus // split, cfg.parallel.pipeline_stages)]
-    for t, p in grid:
+    grid = [(split, stages, experts) for split in plan.tensor_sweep(cfg, gpus)
+            for stages in plan.stage_sweep(cfg, gpus // split, cfg.parallel.pipeline_stages)
+            for experts in plan.expert_sweep(cfg, gpus // (split * stages))]
+    for t, p, e in grid:
         if p == 1:
             schedules, splits = [(cfg.parallel.schedule, 1)], [None]
         else:
@@ -116,7 +120,8 @@ def layouts(cfg, gpus: int) -> list[dict]:
         shards = SHARD_LEVELS if gpus // (t * p) > 1 else ("none",)  # with more than one copy
         for (schedule, v), split, mb, ckpt, shard in itertools.product(
                 schedules, splits, sorted({max(1, micro // 2), micro, 2 * micro}), (False, True), shards):
-            layout = {"parallel.tensor_parallel": t, "parallel.pipeline_stages": p, "parallel.schedule": schedule,
+            layout = {"parallel.tensor_parallel": t, "parallel.expert_parallel": e,
+                      "parallel.pipeline_stages": p, "parallel.schedule": schedule,
                       "parallel.stages_per_rank": v,
                       "parallel.layer_boundaries": split, "train.micro_batch_size": mb,
                       "model.activation_checkpointing": ckpt, "parallel.shard": shard}
