@@ -32,6 +32,29 @@ def test_mixed_precision_with_clipping_on_uneven_data(tmp_path, tiny_config, pre
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 
+def test_each_gradient_s_allreduce_starts_in_the_step_s_last_backward():
+    """distributed.GradientReduction (the reduction of tensor and expert parallelism, over a
+    process set per parameter): nothing is sent in the first of a step's two backward passes,
+    every gradient the second makes is in flight before wait(); wait() sends a weight no
+    backward reached as zeros, and the gradients keep their sums (one rank: the average)."""
+    import horovod.torch as hvd
+
+    from hvdtrain.config import HorovodConfig
+    from hvdtrain.parallel.distributed import GradientReduction
+
+    hvd.init()
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(3, 2), "unused": torch.nn.Linear(2, 2)})
+    reduction = GradientReduction(model, lambda name: (hvd.global_process_set, 1), HorovodConfig(), 2)
+    model["used"](torch.ones(1, 3)).sum().backward()
+    assert not reduction.in_flight
+    model["used"](torch.ones(1, 3)).sum().backward()
+    assert set(reduction.in_flight) == {"used.weight", "used.bias"}
+    reduction.wait()
+    assert torch.equal(model["used"].weight.grad, torch.full((2, 3), 2.0))
+    assert torch.equal(model["unused"].weight.grad, torch.zeros(2, 2))
+    assert not reduction.in_flight and set(reduction.passes.values()) == {0}
+
+
 def test_zero_grad_sets_gradients_to_none():
     """Horovod's DistributedOptimizer.zero_grad() takes no set_to_none argument."""
     import horovod.torch as hvd

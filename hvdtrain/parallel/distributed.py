@@ -4,6 +4,7 @@ Mirrors Horovod's own PyTorch examples: init, pin the GPU, seed, scale the learn
 broadcast the starting state from rank 0, wrap the optimizer so gradients are averaged
 with allreduce while backward runs, and average metrics across ranks.
 """
+import functools
 import os
 import shutil
 import tempfile
@@ -215,6 +216,62 @@ def allreduce_tensors(tensors: list, process_set, name: str, op=None, compressio
     for tensor, sent, context in zip(tensors, compressed, contexts):
         if sent is not tensor:  # reduced in a compressed copy: back into the tensor
             tensor.copy_(compression.decompress(sent, context))
+
+
+class GradientReduction:
+    """Each gradient allreduced over its own process set as soon as the step's last backward has
+    made it, while backward goes on (as hvd.DistributedOptimizer's hooks do, which reduce over
+    one process set only), with horovod.op, compression and predivide factor as
+    hvd.DistributedOptimizer has them. `reduced_over(name)` gives a parameter's (process set,
+    divisor): with op average its reduced gradient is divided by the divisor too (expert
+    parallelism's experts: hvdtrain.parallel.expert_parallel.gradient_reduction). A split
+    layer's gradient (a DTensor: parallel.tensor_parallel) is reduced as its local tensor, the
+    same storage. `wait()` ends them, after submitting the gradients no backward made (a weight
+    unused this step; a rank's experts that no token reached), as zeros: every rank of a set
+    reduces every name."""
+
+    def __init__(self, model, reduced_over, cfg: HorovodConfig, backward_passes: int):
+        self.op, self.compression = reduce_op(cfg), compression(cfg)
+        self.predivide = cfg.gradient_predivide_factor if self.op == hvd.Average else 1.0
+        self.backward_passes = backward_passes
+        self.params = {}  # name -> (parameter, its process set, its postscale)
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            process_set, divisor = reduced_over(name)
+            self.params[name] = (p, process_set, 1.0 / divisor if self.op == hvd.Average else 1.0)
+            p.register_post_accumulate_grad_hook(functools.partial(self._made, name))
+        self.passes = dict.fromkeys(self.params, 0)
+        self.in_flight = {}  # name -> (handle, the (compressed) local gradient sent, its context)
+
+    def _made(self, name: str, p: torch.Tensor):
+        self.passes[name] += 1
+        if self.passes[name] == self.backward_passes:
+            self._start(name)
+
+    def _start(self, name: str):
+        p, process_set, postscale = self.params[name]
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        sent, context = self.compression.compress(local(p.grad))
+        # Horovod: allreduce within the process set, started while backward goes on
+        handle = hvd.allreduce_async_(sent, name=f"grads.{name}", op=self.op, process_set=process_set,
+                                      prescale_factor=1.0 / self.predivide,
+                                      postscale_factor=self.predivide * postscale)
+        self.in_flight[name] = (handle, sent, context)
+
+    def wait(self):
+        """Every gradient reduced (the step's reduce_gradients)."""
+        for name in self.params:  # in the model's order on every rank
+            if name not in self.in_flight:
+                self._start(name)
+        for name, (handle, sent, context) in self.in_flight.items():
+            hvd.synchronize(handle)  # Horovod: wait for the allreduce
+            grad = local(self.params[name][0].grad)
+            if sent.data_ptr() != grad.data_ptr():  # reduced in a compressed copy: back into the gradient
+                grad.copy_(self.compression.decompress(sent, context))
+        self.in_flight.clear()
+        self.passes = dict.fromkeys(self.params, 0)
 
 
 def reduction_options(cfg: HorovodConfig) -> dict:

@@ -21,7 +21,7 @@ In each layer's forward (ExpertParallel.forward), per micro batch:
 
 Horovod's alltoall is differentiable (its backward is the reverse alltoall), so backward needs
 nothing more. Each gradient's allreduce starts as soon as backward has made it
-(GradientReduction, for ExpertParallelStep in hvdtrain.training.step_engine); a checkpoint holds every expert
+(gradient_reduction, for ExpertParallelStep in hvdtrain.training.step_engine); a checkpoint holds every expert
 under its name, its rows written by the ranks of the first group (write_part), so that it loads
 at any e, and the Hugging Face export reads it as it reads any other.
 """
@@ -173,61 +173,15 @@ def expert_weight_names(model: torch.nn.Module) -> set[str]:
 
 # ---------------------------------------------------------------- gradients
 
-class GradientReduction:
-    """Each gradient allreduced as soon as the step's last backward has made it, while backward
-    goes on (as hvd.DistributedOptimizer's hooks do, which reduce over one process set only):
-    the dense weights' over all ranks, the experts' over the ranks holding the same experts
-    (horovod.op, compression and predivide factor as hvd.DistributedOptimizer has them). With
-    op average each expert gradient sums what e ranks' tokens sent it, so it is divided by e
-    more: both kinds then average over all ranks. `wait()` ends them, after submitting the
-    gradients no backward made (a weight unused this step; a rank's experts that no token
-    reached), as zeros: every rank reduces every name."""
-
-    def __init__(self, model, expert_names: set[str], groups: ExpertGroups, cfg: HorovodConfig,
-                 backward_passes: int):
-        self.op, self.compression = distributed.reduce_op(cfg), distributed.compression(cfg)
-        self.predivide = cfg.gradient_predivide_factor if self.op == hvd.Average else 1.0
-        self.backward_passes = backward_passes
-        self.params = {}  # name -> (parameter, its process set, its postscale)
-        for name, p in model.named_parameters():
-            if not p.requires_grad:
-                continue
-            if name in expert_names:
-                self.params[name] = (p, groups.same_experts_set, 1.0 / groups.size if self.op == hvd.Average else 1.0)
-            else:
-                self.params[name] = (p, hvd.global_process_set, 1.0)
-            p.register_post_accumulate_grad_hook(functools.partial(self._made, name))
-        self.passes = dict.fromkeys(self.params, 0)
-        self.in_flight = {}  # name -> (handle, the compressed gradient, its context)
-
-    def _made(self, name: str, p: torch.Tensor):
-        self.passes[name] += 1
-        if self.passes[name] == self.backward_passes:
-            self._start(name)
-
-    def _start(self, name: str):
-        p, process_set, postscale = self.params[name]
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        sent, context = self.compression.compress(p.grad)
-        # Horovod: allreduce within the process set, started while backward goes on
-        handle = hvd.allreduce_async_(sent, name=f"grads.{name}", op=self.op, process_set=process_set,
-                                      prescale_factor=1.0 / self.predivide,
-                                      postscale_factor=self.predivide * postscale)
-        self.in_flight[name] = (handle, sent, context)
-
-    def wait(self):
-        """Every gradient reduced (the step's reduce_gradients)."""
-        for name in self.params:  # in the model's order on every rank
-            if name not in self.in_flight:
-                self._start(name)
-        for name, (handle, sent, context) in self.in_flight.items():
-            hvd.synchronize(handle)  # Horovod: wait for the allreduce
-            grad = self.params[name][0].grad
-            if sent is not grad:  # reduced in a compressed copy: back into the gradient
-                grad.copy_(self.compression.decompress(sent, context))
-        self.in_flight.clear()
-        self.passes = dict.fromkeys(self.params, 0)
+def gradient_reduction(model, expert_names: set[str], groups: ExpertGroups, cfg: HorovodConfig,
+                       backward_passes: int) -> distributed.GradientReduction:
+    """Each gradient allreduced during the step's last backward: the dense weights' over all
+    ranks, the experts' over the ranks holding the same experts. With op average each expert
+    gradient sums what e ranks' tokens sent it, so it is divided by e more: both kinds then
+    average over all ranks."""
+    def reduced_over(name: str) -> tuple[object, int]:
+        return (groups.same_experts_set, groups.size) if name in expert_names else (hvd.global_process_set, 1)
+    return distributed.GradientReduction(model, reduced_over, cfg, backward_passes)
 
 
 def parameters_by_kind(model, expert_names: set[str]) -> tuple[list, list]:
@@ -281,7 +235,7 @@ def write_part(tmp, model, optimizer, expert_names: set[str], groups: ExpertGrou
 def expert_copies(model, expert_names: set[str], groups: ExpertGroups, op: str) -> dict[int, Copies]:
     """parallel.shard (a ShardedOptimizer's `elsewhere`): each expert weight is sharded over the
     ranks holding the same experts, its reduced gradient averaged over e ranks more (horovod.op
-    average: as GradientReduction's), and its rows start at this rank's first expert's in the
+    average: as gradient_reduction's), and its rows start at this rank's first expert's in the
     whole tensor."""
     out = {}
     for name, p in model.named_parameters():

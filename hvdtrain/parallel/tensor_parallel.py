@@ -17,9 +17,11 @@ output is summed over the group (an allreduce in forward), the column-wise input
 (in backward). Everything else (embeddings, norms, the head) is whole on every rank, and its
 gradient equal on every rank of a group.
 
-    gradients   allreduced over the world / t ranks holding the same slices, by Horovod, after
-                backward (reduce_gradients): Horovod takes plain tensors, so a DTensor's
-                gradient is reduced as its local tensor (`to_local()`, the same storage)
+    gradients   allreduced over the world / t ranks holding the same slices, by Horovod, each
+                started by a hook as the step's last backward makes it (gradient_reduction;
+                with pipeline stages after the schedule's run): Horovod takes plain tensors, so
+                a DTensor's gradient is reduced as its local tensor (`to_local()`, the same
+                storage)
     norm        every slice's squares summed over the group, the whole parameters' counted
                 once (clip_grad_norm_)
     fp16        each rank unscales its local tensors (LocalGradScaler); the group skips a step
@@ -225,12 +227,10 @@ class LocalGradScaler(torch.amp.GradScaler):
         return {found_inf.device: found_inf}
 
 
-def reduce_gradients(model, groups: TensorGroups, horovod_cfg):
-    """Allreduce every gradient over the copies holding the same slices (one grouped Horovod
-    allreduce, after backward), as local tensors."""
-    # Horovod: grouped allreduce of the local gradients over the copies
-    distributed.allreduce_grads(model.parameters(), groups.copies_set, "grads.tensor_parallel",
-                                **distributed.reduction_options(horovod_cfg))
+def gradient_reduction(model, groups: TensorGroups, horovod_cfg, backward_passes: int) -> distributed.GradientReduction:
+    """Every gradient allreduced over the copies holding the same slices, as its local tensor,
+    each as soon as the step's last backward has made it, while backward goes on."""
+    return distributed.GradientReduction(model, lambda name: (groups.copies_set, 1), horovod_cfg, backward_passes)
 
 
 def clip_grad_norm_(model, groups: TensorGroups, max_norm: float) -> torch.Tensor:

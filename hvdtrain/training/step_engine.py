@@ -9,7 +9,7 @@
                     dense and the expert gradients allreduced during backward, over different ranks
     TensorParallelStep  parallel.tensor_parallel: as PlainStep, with each layer's matrices split over
                     the ranks of a tensor-parallel group (hvdtrain.parallel.tensor_parallel), which
-                    read the same samples; the gradients allreduced over the copies after backward
+                    read the same samples; the gradients allreduced over the copies during backward
     PipelinedStep   this worker's pipeline stage (hvdtrain.parallel.pipeline): torch's schedule runs the
                     micro batches, Horovod reduces gradients among the copies of the stage only
                     (during the schedule's backward, or after it), the tied embedding is summed
@@ -198,7 +198,7 @@ class ExpertParallelStep(PlainStep):
     the ranks of an expert group, which exchange tokens in every forward
     (hvdtrain.parallel.expert_parallel). `optimizer` is a plain one: during the last backward
     the dense gradients are allreduced over all workers, the experts' over the ranks holding the
-    same experts (expert_parallel.GradientReduction); the norm counts each expert once."""
+    same experts (expert_parallel.gradient_reduction); the norm counts each expert once."""
 
     def __init__(self, *args, groups, horovod: HorovodConfig, micro_batch_shape: tuple[int, int], grad_accum: int,
                  reduce: bool = True):
@@ -206,7 +206,7 @@ class ExpertParallelStep(PlainStep):
         super().__init__(*args)
         self.groups, self.micro_batch_shape = groups, micro_batch_shape
         self.expert_names = expert_parallel.expert_weight_names(self.model)
-        self.reduction = (expert_parallel.GradientReduction(self.model, self.expert_names, groups, horovod, grad_accum)
+        self.reduction = (expert_parallel.gradient_reduction(self.model, self.expert_names, groups, horovod, grad_accum)
                           if reduce else None)
 
     def reduce_gradients(self):
@@ -239,23 +239,24 @@ class ExpertParallelStep(PlainStep):
 class TensorParallelStep(PlainStep):
     """parallel.tensor_parallel: each layer's matrices split over the t ranks of a
     tensor-parallel group, which read the same samples (hvdtrain.parallel.tensor_parallel).
-    `optimizer` is a plain one over the model's parameters, DTensors where split: after
-    backward the gradients are allreduced over the copies holding the same slices; the norm
-    counts each slice once. The loss sum is the group's first rank's (every rank of a group
-    computes the same one)."""
+    `optimizer` is a plain one over the model's parameters, DTensors where split: during the
+    last backward the gradients are allreduced over the copies holding the same slices
+    (tensor_parallel.gradient_reduction); the norm counts each slice once. The loss sum is the
+    group's first rank's (every rank of a group computes the same one)."""
 
-    def __init__(self, *args, groups, horovod: HorovodConfig):
+    def __init__(self, *args, groups, horovod: HorovodConfig, grad_accum: int, reduce: bool = True):
+        """`reduce`: allreduce the gradients (False: a ShardedStep around this one reduce-scatters them)."""
         super().__init__(*args)
-        self.groups, self.horovod = groups, horovod
+        self.groups = groups
         self.stages = groups.size  # the ranks of a group read the same samples (distributed.StepTotals)
+        self.reduction = tensor_parallel.gradient_reduction(self.model, groups, horovod, grad_accum) if reduce else None
 
     def forward_backward(self, micro_batches, timer):
         sums = super().forward_backward(micro_batches, timer)
         return sums if self.groups.rank == 0 else torch.zeros_like(sums)
 
     def reduce_gradients(self):
-        # Horovod: grouped allreduce of the local gradients over the copies
-        tensor_parallel.reduce_gradients(self.model, self.groups, self.horovod)
+        self.reduction.wait()  # Horovod: wait for the allreduces started in backward
 
     def clip_gradients(self, max_norm):
         self.scaler.unscale_(self.optimizer)
@@ -472,7 +473,8 @@ def build_engine(cfg: Config, device, model, optimizer, scaler, grad_accum: int,
     if layout is None:
         args = (model, optimizer, scaler, normalizer, autocast, device)
         if tensor_groups is not None:
-            engine = TensorParallelStep(*args, groups=tensor_groups, horovod=cfg.horovod)
+            engine = TensorParallelStep(*args, groups=tensor_groups, horovod=cfg.horovod, grad_accum=grad_accum,
+                                        reduce=cfg.parallel.shard == "none")
         elif expert_groups is not None:
             engine = ExpertParallelStep(*args, groups=expert_groups, horovod=cfg.horovod,
                                         micro_batch_shape=(t.micro_batch_size, cfg.data.seq_len), grad_accum=grad_accum,
