@@ -359,8 +359,8 @@ class ParallelConfig:
     # layers', embeddings' and head's forward + backward times, measured at the run's start on
     # its hardware and cached (hvdtrain.parallel.layer_costs, docs/pipeline.md).
     layer_boundaries: Optional[list[int] | Literal["auto"]] = None
-    # When the copies of a stage reduce their gradients: "during" the pipeline's backward
-    # (Horovod's hooks, overlapped) or "after" it (one grouped allreduce). On NCCL two
+    # When the copies of a pipeline stage (or of a tensor-parallel slice) reduce their gradients:
+    # "during" the backward (Horovod's hooks, overlapped) or "after" it. On NCCL two
     # communicators in flight at once can hang, so the default is "after" on GPUs, "during" on CPUs.
     reduce_gradients: Optional[Literal["during", "after"]] = None
     # Sharding over the data-parallel copies (of each pipeline stage), over Horovod's

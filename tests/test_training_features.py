@@ -54,6 +54,13 @@ def test_each_gradient_s_allreduce_starts_in_the_step_s_last_backward():
     assert torch.equal(model["unused"].weight.grad, torch.zeros(2, 2))
     assert not reduction.in_flight and set(reduction.passes.values()) == {0}
 
+    model.zero_grad()
+    after = GradientReduction(model["used"], lambda name: (hvd.global_process_set, 1), HorovodConfig(), 1, during=False)
+    model["used"](torch.ones(1, 3)).sum().backward()
+    assert not after.in_flight  # parallel.reduce_gradients "after": nothing sent in backward
+    after.wait()
+    assert torch.equal(model["used"].weight.grad, torch.ones(2, 3))
+
 
 def test_zero_grad_sets_gradients_to_none():
     """Horovod's DistributedOptimizer.zero_grad() takes no set_to_none argument."""

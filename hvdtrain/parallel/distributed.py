@@ -228,19 +228,22 @@ class GradientReduction:
     layer's gradient (a DTensor: parallel.tensor_parallel) is reduced as its local tensor, the
     same storage. `wait()` ends them, after submitting the gradients no backward made (a weight
     unused this step; a rank's experts that no token reached), as zeros: every rank of a set
-    reduces every name."""
+    reduces every name. With `during` False no hook is registered and `wait()` submits them all
+    after backward (parallel.reduce_gradients "after": NCCL beside another library's
+    collectives in backward)."""
 
-    def __init__(self, model, reduced_over, cfg: HorovodConfig, backward_passes: int):
+    def __init__(self, model, reduced_over, cfg: HorovodConfig, backward_passes: int, during: bool = True):
         self.op, self.compression = reduce_op(cfg), compression(cfg)
         self.predivide = cfg.gradient_predivide_factor if self.op == hvd.Average else 1.0
-        self.backward_passes = backward_passes
+        self.backward_passes, self.during = backward_passes, during
         self.params = {}  # name -> (parameter, its process set, its postscale)
         for name, p in model.named_parameters():
             if not p.requires_grad:
                 continue
             process_set, divisor = reduced_over(name)
             self.params[name] = (p, process_set, 1.0 / divisor if self.op == hvd.Average else 1.0)
-            p.register_post_accumulate_grad_hook(functools.partial(self._made, name))
+            if during:
+                p.register_post_accumulate_grad_hook(functools.partial(self._made, name))
         self.passes = dict.fromkeys(self.params, 0)
         self.in_flight = {}  # name -> (handle, the (compressed) local gradient sent, its context)
 

@@ -18,8 +18,9 @@ output is summed over the group (an allreduce in forward), the column-wise input
 gradient equal on every rank of a group.
 
     gradients   allreduced over the world / t ranks holding the same slices, by Horovod, each
-                started by a hook as the step's last backward makes it (gradient_reduction;
-                with pipeline stages after the schedule's run): Horovod takes plain tensors, so
+                started by a hook as the step's last backward makes it, or after backward
+                (parallel.reduce_gradients, "after" by default on GPUs; always with pipeline
+                stages, after the schedule's run) (gradient_reduction): Horovod takes plain tensors, so
                 a DTensor's gradient is reduced as its local tensor (`to_local()`, the same
                 storage)
     norm        every slice's squares summed over the group, the whole parameters' counted
@@ -227,10 +228,13 @@ class LocalGradScaler(torch.amp.GradScaler):
         return {found_inf.device: found_inf}
 
 
-def gradient_reduction(model, groups: TensorGroups, horovod_cfg, backward_passes: int) -> distributed.GradientReduction:
+def gradient_reduction(model, groups: TensorGroups, horovod_cfg, backward_passes: int,
+                       during: bool) -> distributed.GradientReduction:
     """Every gradient allreduced over the copies holding the same slices, as its local tensor,
-    each as soon as the step's last backward has made it, while backward goes on."""
-    return distributed.GradientReduction(model, lambda name: (groups.copies_set, 1), horovod_cfg, backward_passes)
+    each as soon as the step's last backward has made it, while backward goes on (`during`), or
+    all after backward."""
+    return distributed.GradientReduction(model, lambda name: (groups.copies_set, 1), horovod_cfg, backward_passes,
+                                         during)
 
 
 def clip_grad_norm_(model, groups: TensorGroups, max_norm: float) -> torch.Tensor:

@@ -10,6 +10,7 @@
     TensorParallelStep  parallel.tensor_parallel: as PlainStep, with each layer's matrices split over
                     the ranks of a tensor-parallel group (hvdtrain.parallel.tensor_parallel), which
                     read the same samples; the gradients allreduced over the copies during backward
+                    (or after it: parallel.reduce_gradients)
     PipelinedStep   this worker's pipeline stage (hvdtrain.parallel.pipeline): torch's schedule runs the
                     micro batches, Horovod reduces gradients among the copies of the stage only
                     (during the schedule's backward, or after it), the tied embedding is summed
@@ -240,16 +241,18 @@ class TensorParallelStep(PlainStep):
     """parallel.tensor_parallel: each layer's matrices split over the t ranks of a
     tensor-parallel group, which read the same samples (hvdtrain.parallel.tensor_parallel).
     `optimizer` is a plain one over the model's parameters, DTensors where split: during the
-    last backward the gradients are allreduced over the copies holding the same slices
-    (tensor_parallel.gradient_reduction); the norm counts each slice once. The loss sum is the
+    last backward (or after it) the gradients are allreduced over the copies holding the same
+    slices (tensor_parallel.gradient_reduction); the norm counts each slice once. The loss sum is the
     group's first rank's (every rank of a group computes the same one)."""
 
-    def __init__(self, *args, groups, horovod: HorovodConfig, grad_accum: int, reduce: bool = True):
-        """`reduce`: allreduce the gradients (False: a ShardedStep around this one reduce-scatters them)."""
+    def __init__(self, *args, groups, horovod: HorovodConfig, grad_accum: int, reduce_after: bool, reduce: bool = True):
+        """`reduce_after`: the allreduces wait for the end of backward (parallel.reduce_gradients);
+        `reduce`: allreduce the gradients (False: a ShardedStep around this one reduce-scatters them)."""
         super().__init__(*args)
         self.groups = groups
         self.stages = groups.size  # the ranks of a group read the same samples (distributed.StepTotals)
-        self.reduction = tensor_parallel.gradient_reduction(self.model, groups, horovod, grad_accum) if reduce else None
+        self.reduction = (tensor_parallel.gradient_reduction(self.model, groups, horovod, grad_accum, not reduce_after)
+                          if reduce else None)
 
     def forward_backward(self, micro_batches, timer):
         sums = super().forward_backward(micro_batches, timer)
@@ -276,8 +279,9 @@ class TensorParallelStep(PlainStep):
     # over the group); their loss and target sums are each counted t times, so the mean is right.
 
     def describe(self):
+        when = "after" if self.reduction is not None and not self.reduction.during else "during"
         return {"tensor_parallel": f"each layer's matrices split over {self.groups.size} workers, gradients "
-                                   f"reduced over {self.groups.dp} copies"}
+                                   f"reduced over {self.groups.dp} copies {when} backward"}
 
     def close(self):
         self.groups.close()  # Horovod and torch.distributed: remove the process sets and groups
@@ -474,7 +478,7 @@ def build_engine(cfg: Config, device, model, optimizer, scaler, grad_accum: int,
         args = (model, optimizer, scaler, normalizer, autocast, device)
         if tensor_groups is not None:
             engine = TensorParallelStep(*args, groups=tensor_groups, horovod=cfg.horovod, grad_accum=grad_accum,
-                                        reduce=cfg.parallel.shard == "none")
+                                        reduce_after=reduce_after, reduce=cfg.parallel.shard == "none")
         elif expert_groups is not None:
             engine = ExpertParallelStep(*args, groups=expert_groups, horovod=cfg.horovod,
                                         micro_batch_shape=(t.micro_batch_size, cfg.data.seq_len), grad_accum=grad_accum,

@@ -224,10 +224,12 @@ def build_model_and_optimizer(cfg: Config, data: DataBundle, device, grad_accum:
         tensor_parallel.parallelize(model, tensor_groups)
     model.train()
     peak_lr = t.lr * distributed.lr_scale(t.lr_scaling, shards)
-    # The copies of a stage reduce gradients during backward (Horovod's hooks), or after the
-    # pipeline's step where NCCL would otherwise run two communicators at once.
-    # Split layers' gradients (DTensors) do not go through Horovod's hooks: reduced after.
-    reduce_after = layout is not None and (tensor_groups is not None or (
+    # The copies of a stage or of a slice reduce gradients during backward (Horovod's hooks), or
+    # after it where NCCL would otherwise run two communicators at once: torch.distributed's
+    # (the pipeline's sends, the tensor-parallel group's allreduces) beside Horovod's. Split
+    # layers' gradients along a pipeline do not go through its hooks: reduced after.
+    beside_torch = layout is not None or tensor_groups is not None
+    reduce_after = beside_torch and ((layout is not None and tensor_groups is not None) or (
         par.reduce_gradients or ("after" if device.type == "cuda" else "during")) == "after")
     if par.shard != "none":
         tied_copy = layout is not None and layout.is_last and not layout.is_first  # not counted in the norm twice
