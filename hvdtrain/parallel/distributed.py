@@ -174,8 +174,7 @@ def allreduce_grads(params, process_set, name: str, op=None, compression=None, g
                     postscale: float = 1.0):
     """Reduce the gradients of `params` over `process_set` in one grouped Horovod allreduce, after
     backward: the mode for a plain (not Distributed) optimizer (pipeline stages whose copies
-    reduce after the schedule's run, where NCCL cannot run two communicators at once; expert
-    parallelism, whose two kinds of weights reduce over different ranks). A missing gradient is
+    reduce after the schedule's run, where NCCL cannot run two communicators at once). A missing gradient is
     sent as zeros (every copy must send the same list); the rest as allreduce_tensors. Horovod
     takes plain tensors: a split layer's gradient (a DTensor: parallel.tensor_parallel) is
     reduced as its local tensor, the same storage."""

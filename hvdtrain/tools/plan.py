@@ -519,7 +519,8 @@ def stage_memory(cfg, microbatches: int, micro_batch: int, checkpointing: bool, 
     bounds = planned_bounds(cfg, p, v)
     counts = stage_params(**dims, bounds=bounds, head_fraction=head_fraction(cfg))
     matmul_weights = [c["flops_params"] for c in stage_params(**dims, bounds=bounds)]  # all of BERT's head too
-    layer_params, expert_params, e = parameter_parts(cfg).layer, parameter_parts(cfg).experts, par.expert_parallel
+    per_layer, e = parameter_parts(cfg), par.expert_parallel
+    layer_params, expert_params = per_layer.layer, per_layer.experts
 
     def split_off(g: int) -> int:  # the parameters of stage g's layers on the group's other ranks
         return counts[g]["layers"] * layer_params * (t - 1) // t
