@@ -17,7 +17,7 @@ import horovod.torch as hvd
 import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from hvdtrain.config import TrainConfig
+from hvdtrain.config import HorovodConfig, TrainConfig
 from hvdtrain.optim.optimizers import build_optimizer
 from hvdtrain.parallel.tensor_parallel import LocalGradScaler, local, open_tensor_groups
 from hvdtrain.training.run_guards import NonFiniteGuard
@@ -43,11 +43,13 @@ def main(out: Path, steps: int = 4, inf_step: int = 2):
     model = parallelize_module(UpDown(), groups.mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
     optimizer = build_optimizer(model, TrainConfig(), 0.1, torch.device("cuda"))  # "cuda": the fused AdamW
     scaler = LocalGradScaler("cpu", **FP16_SCALER)
-    engine = TensorParallelStep(model, optimizer, scaler, None, None, cpu, groups=groups, horovod=None)
+    engine = TensorParallelStep(model, optimizer, scaler, None, None, cpu, groups=groups, horovod=HorovodConfig(),
+                                grad_accum=1, reduce_after=False)
     guard = NonFiniteGuard(cpu, max_bad_steps=10)
     states = []
     for step in range(steps):
         scaler.scale(model(torch.ones(1, 3)).sum()).backward()
+        engine.reduce_gradients()  # over the copies: one here (2 workers, t=2)
         if step == inf_step and groups.rank == 1:
             local(model.up.weight.grad)[0, 0] = float("inf")
         before = [local(p).detach().clone() for p in model.parameters()]
