@@ -403,17 +403,21 @@ def test_the_workers_of_a_killed_launcher_stop_by_themselves(tmp_path, tiny_conf
 
 
 @pytest.mark.workers
-def test_a_stop_signal_to_the_launcher_stops_the_workers_as_a_preemption(tmp_path, tiny_config):
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_a_stop_signal_to_the_launcher_stops_the_workers_as_a_preemption(tmp_path, tiny_config, controller):
     """A scheduler's SIGTERM to `hvdtrain launch` reaches the workers: they agree on a step, write
-    its checkpoint and stop, and the launcher says so and exits 75 (run the same command again)."""
+    its checkpoint and stop, and the launcher says so and exits 75 (run the same command again).
+    They reach that step 8 seconds after the signal (their first step's straggle starts as the
+    evaluation of step 0 is written): horovodrun's own stop would have killed them after 5."""
     import signal
     from helpers import start_cmd
     from hvdtrain.checkpointing import checkpoint
     out = tmp_path / "run"
-    config = tiny_config({"train": {"max_steps": 500, "slow_ranks": [0, 1], "slow_seconds": 0.2}})
-    launcher = start_cmd([BIN / "hvdtrain", "launch", "-np", "2", "--gloo", config, f"out_dir={out}"])
+    config = tiny_config({"train": {"max_steps": 500, "slow_ranks": [0, 1], "slow_seconds": 8}})
+    launcher = start_cmd([BIN / "hvdtrain", "launch", "-np", "2", f"--{controller}", config, f"out_dir={out}"])
     deadline = time.monotonic() + 120
-    while not (out / "metrics.jsonl").exists():
+    # step 0's evaluation, a collective: every worker is in the loop, its stop signal handled
+    while not (out / "metrics.jsonl").exists() or "eval_loss" not in (out / "metrics.jsonl").read_text():
         assert launcher.poll() is None and time.monotonic() < deadline, "the run did not start"
         time.sleep(0.2)
     launcher.send_signal(signal.SIGTERM)

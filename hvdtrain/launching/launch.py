@@ -12,10 +12,16 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
+
 from hvdtrain.errors import UserError
 from hvdtrain.launching.relay import Relay
 from hvdtrain.observe.progress import LAUNCHED
 from hvdtrain.observe.trackers import check_installed
+
+
+# What horovodrun runs on each slot, before the worker's arguments
+WORKER_COMMAND = [sys.executable, "-m", "hvdtrain.cli"]
 
 
 def horovodrun_command(args, worker_args: list[str]) -> list[str]:
@@ -33,7 +39,7 @@ def horovodrun_command(args, worker_args: list[str]) -> list[str]:
         cmd += ["--network-interface", interface]
     if args.start_timeout is not None:
         cmd += ["--start-timeout", str(args.start_timeout)]
-    return cmd + elastic + args.horovodrun_args + [sys.executable, "-m", "hvdtrain.cli"] + worker_args
+    return cmd + elastic + args.horovodrun_args + WORKER_COMMAND + worker_args
 
 
 def elastic_options(args) -> list[str]:
@@ -183,8 +189,8 @@ def run_launch(args) -> int:
     relay = Relay(hosts_by_rank(args.hosts, args.np), args.np)
     # horovodrun in a process group of its own, watched by a guard that stops it if this launcher
     # dies (hvdtrain.launching.launcher_guard). A stop signal for the job (a scheduler's SIGTERM, Ctrl-C's
-    # SIGINT) is passed on to that group, which stops the workers as on a preemption, and the
-    # launcher goes on showing what they say until they have stopped.
+    # SIGINT) stops the workers as on a preemption (see pass_on), and the launcher goes on showing
+    # what they say until they have stopped.
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                             start_new_session=True)
     # The guard in a session of its own too: a SIGKILL to the launcher's whole process group (a
@@ -192,7 +198,18 @@ def run_launch(args) -> int:
     guard = subprocess.Popen([sys.executable, "-m", "hvdtrain.launching.launcher_guard", str(proc.pid), str(os.getpid())],
                              start_new_session=True)
 
+    stop_signals = []
+
     def pass_on(signum, frame):
+        """The first stop signal goes to this host's workers as SIGTERM: they agree on a step with
+        the others, write its checkpoint and exit, and horovodrun ends with them. horovodrun's own
+        stop would kill them 5 seconds later (Horovod's GRACEFUL_TERMINATION_TIME_S; mpirun at
+        once), too soon for a large model's checkpoint. A second signal, no worker here (all on
+        other hosts) or an elastic job (left to Horovod's elastic driver, as before) still takes
+        that way."""
+        stop_signals.append(signum)
+        if len(stop_signals) == 1 and not getattr(args, "elastic", False) and signal_workers(proc.pid, signal.SIGTERM):
+            return
         try:
             os.killpg(proc.pid, signum)
         except ProcessLookupError:
@@ -208,6 +225,24 @@ def run_launch(args) -> int:
             signal.signal(signum, handler)
         guard.kill()
         guard.wait()
+
+
+def signal_workers(horovodrun: int, signum: int) -> bool:
+    """Send `signum` to the workers of this host under process `horovodrun` (behind Horovod's
+    shells, or mpirun). False when none is here."""
+    try:
+        below = psutil.Process(horovodrun).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return False
+    sent = False
+    for process in below:
+        try:
+            if process.cmdline()[1:3] == WORKER_COMMAND[1:]:
+                process.send_signal(signum)
+                sent = True
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass  # ended meanwhile
+    return sent
 
 
 def add_launch_options(p: argparse.ArgumentParser, default_np: int):
