@@ -732,6 +732,33 @@ def test_split_layers_leave_each_worker_its_slices_and_their_allreduces():
         plan(llama_shaped(4, n_kv_head=4), gpus=6)
 
 
+def test_the_target_step_counts_a_group_s_collectives_and_a_rank_s_share_of_the_flops():
+    """`plan --step-time` at a global batch: each micro batch waits for its group's collectives
+    (t = 2: 4 allreduces of its hidden states per layer over the group's links; e = 8: its
+    alltoalls over the network), as the layout table's one-stage slot does; a rank of a
+    tensor-parallel group computes its share of the model's FLOPs, and the group's ranks read
+    the same samples (tokens/s counts each once)."""
+    whole = plan(llama_shaped(1), gpus=8, step_time=0.2)["target"]
+    split = plan(llama_shaped(2), gpus=8, step_time=0.2)["target"]
+    # 32 samples over 8 copies (t = 1) or 4 (t = 2): one micro batch of 4 or 8 on each
+    assert (whole["micro_batch"], whole["grad_accum"], split["micro_batch"], split["grad_accum"]) == (4, 1, 8, 1)
+    share = stage_memory(llama_shaped(2), 1, 8, False)[0]["flops_per_token"] / planmod.model_flops_per_token(llama_shaped(1))
+    assert 0.5 < share < 0.6  # the embeddings and head stay whole
+    sample_s = 0.2 / 32  # measured: micro batch 2 x accum 16 on one worker
+    assert whole["compute_s"] == pytest.approx(4 * sample_s) and whole["group_s"] == 0
+    assert split["compute_s"] == pytest.approx(8 * sample_s * share)
+    sbh = 128 * 8 * 256
+    assert split["group_s"] == pytest.approx(4 * 4 * ring_allreduce_seconds(sbh * 2, 2, 3600.0, 5e-6))
+    assert split["step_s"] == pytest.approx(split["compute_s"] + split["group_s"] + split["exposed_s"])
+    assert split["tokens_per_s"] == pytest.approx(32 * 128 / split["step_s"])
+    experts = plan(olmoe_shaped(8), gpus=8, step_time=20.0)["target"]
+    alltoall = planmod.alltoall_bytes(olmoe_shaped(8), experts["micro_batch"], experts["grad_accum"]) * 8 / 100e9
+    assert experts["group_s"] == pytest.approx(alltoall) and alltoall > 0
+    assert experts["step_s"] == pytest.approx(experts["compute_s"] + alltoall + experts["exposed_s"])
+    assert "collectives within the split layers' groups" in planmod.format_plan(plan(olmoe_shaped(8), gpus=8,
+                                                                                      step_time=20.0))
+
+
 def test_a_model_too_large_for_one_gpu_is_told_the_tensor_parallel_ranks_it_needs(capsys):
     """On a GPU between what t=1 and t=2 need at micro batch 1 with checkpointing, the plan
     names t=2 (`--tp 2`) beside the pipeline stages."""

@@ -284,6 +284,21 @@ def alltoall_bytes(cfg, micro_batch: int, grad_accum: int) -> int:
     return exchanges * m.n_layer * grad_accum * rows * m.d_model * elem * (e - 1) // e
 
 
+def group_comm_seconds(cfg, micro_batch: int, share: float, net_gbps: float, tp_gbps: float,
+                       latency_s: float) -> float:
+    """Seconds one micro batch of `share` of the model's layers waits for the collectives within
+    its group, each on the critical path (it waits for its layer's matmuls, and the next
+    layer for it): with tensor parallelism the group's allreduces of the hidden states over
+    `tp_gbps` (tensor_parallel_allreduces), with expert parallelism its alltoalls over
+    `net_gbps` (alltoall_bytes). 0 without either."""
+    seconds = share * alltoall_bytes(cfg, micro_batch, 1) * 8 / (net_gbps * 1e9)
+    t = cfg.parallel.tensor_parallel
+    if t > 1:
+        count, each = tensor_parallel_allreduces(cfg, micro_batch, 1)
+        seconds += count * share * ring_allreduce_seconds(each, t, tp_gbps, latency_s)
+    return seconds
+
+
 def memory_bytes(cfg, micro_batch: int, checkpointing: bool, sdpa: bool = True, copies: int = 1) -> dict:
     """Bytes per GPU by component, and their "total"; `copies`: the data-parallel workers (what
     a sharded optimizer divides its state by). With parallel.expert_parallel the weights and
@@ -409,15 +424,18 @@ def step_comm(cfg, workers: int, net_gbps: float, latency_s: float) -> dict:
             "tail_seconds": ring_allreduce_seconds(tail_bytes, workers, net_gbps, latency_s)}
 
 
-def predict_step(cfg, comm: dict, micro_compute_s: float, grad_accum: int) -> dict:
-    """Seconds of one optimizer step: `grad_accum` micro batches of compute plus the allreduce
-    time (or the sharding level's collectives: sharded_exposed) that backward does not hide;
-    efficiency = compute / step (1.0 without communication, and for a fixed per-worker batch
-    equal to step(1) / step(N))."""
-    exposed = sharded_exposed(cfg, comm["seconds"], comm["tail_seconds"], micro_compute_s, grad_accum)
-    compute = micro_compute_s * grad_accum
-    return {"comm_s": comm["seconds"], "exposed_s": exposed, "compute_s": compute,
-            "step_s": compute + exposed, "efficiency": compute / (compute + exposed)}
+def predict_step(cfg, comm: dict, micro_compute_s: float, grad_accum: int, micro_group_s: float = 0.0) -> dict:
+    """Seconds of one optimizer step: `grad_accum` micro batches of compute, each with
+    `micro_group_s` of collectives within its group on its critical path (group_comm_seconds),
+    plus the allreduce time (or the sharding level's collectives: sharded_exposed) that backward
+    does not hide; efficiency = compute / step (1.0 without communication, and for a fixed
+    per-worker batch equal to step(1) / step(N))."""
+    micro_s = micro_compute_s + micro_group_s
+    exposed = sharded_exposed(cfg, comm["seconds"], comm["tail_seconds"], micro_s, grad_accum)
+    compute, group = micro_compute_s * grad_accum, micro_group_s * grad_accum
+    step = compute + group + exposed
+    return {"comm_s": comm["seconds"], "exposed_s": exposed, "compute_s": compute, "group_s": group,
+            "step_s": step, "efficiency": compute / step}
 
 
 # ---------------------------------------------------------------- pipeline stages
@@ -596,15 +614,20 @@ def pipeline_batches(cfg, stages: int, gpus: int) -> dict:
             "microbatches": m, "runs": grad_accum // m}
 
 
+def measured_accum(cfg) -> int:
+    """Micro batches per step of the measured 1-worker run (`--step-time`, `--measured`): the
+    whole model on one worker, its layers and experts unsplit."""
+    one = dataclasses.replace(with_stages(cfg, 1).parallel, tensor_parallel=1, expert_parallel=1)
+    return resolve_batch(dataclasses.replace(cfg, parallel=one), 1)[0]
+
+
 def seconds_per_flop(cfg, peak: Optional[float], model_flops_utilisation: float,
                      step_time: Optional[float]) -> tuple[Optional[float], str]:
     """Seconds of compute per model FLOP, and where the figure comes from: the measured
     1-worker step time of this config (`step_time`, recomputation included as configured), or
     the GPU's peak at `model_flops_utilisation`, slowed by 4/3 with activation checkpointing."""
     if step_time is not None:
-        flat = with_stages(cfg, 1)
-        accum_1 = resolve_batch(flat, 1)[0]
-        tokens = cfg.train.micro_batch_size * accum_1 * cfg.data.seq_len
+        tokens = cfg.train.micro_batch_size * measured_accum(cfg) * cfg.data.seq_len
         return step_time / (tokens * model_flops_per_token(cfg)), f"measured 1-worker step {step_time:g} s"
     if peak is None:
         return None, "no GPU peak known: pass --step-time"
@@ -652,12 +675,8 @@ def pipeline_plan(cfg, stages: int, gpus: int, budget: float, net_gbps: float, l
         return row
     tokens_micro = micro * cfg.data.seq_len
     slot = max(r["flops_per_token"] for r in ranks) * tokens_micro * spf  # one micro batch on the slowest rank
-    t = cfg.parallel.tensor_parallel
     share = max(sum(end - first for first, end in r["layers"]) for r in ranks) / cfg.model.n_layer  # its layers
-    if t > 1:  # the group's allreduces of the slowest rank's layers, one micro batch
-        count, each = tensor_parallel_allreduces(cfg, micro, 1)
-        slot += count * share * ring_allreduce_seconds(each, t, tp_gbps, latency_s)
-    slot += share * alltoall_bytes(cfg, micro, 1) * 8 / (net_gbps * 1e9)  # 0 without expert parallelism
+    slot += group_comm_seconds(cfg, micro, share, net_gbps, tp_gbps, latency_s)
     compute = batches["runs"] * (v * m + stages - 1) * slot / v
     if stages == 1:
         comm = step_comm(c, batches["copies"], net_gbps, latency_s)
@@ -783,8 +802,8 @@ def plan(cfg, gpus: int, gpu: str = "H100", net_gbps: float = 100.0, step_time: 
         _check_stages(cfg, stages, gpus, "--pp" if pp is not None else "config key 'parallel.pipeline_stages'")
     flat = with_stages(cfg, 1)  # the data-parallel estimates below: the whole model on every worker
 
-    def with_throughput(row: dict, workers: int, samples_per_worker: int) -> dict:
-        row["tokens_per_s"] = workers * samples_per_worker * cfg.data.seq_len / row["step_s"]
+    def with_throughput(row: dict, workers: int, samples_per_step: int) -> dict:
+        row["tokens_per_s"] = samples_per_step * cfg.data.seq_len / row["step_s"]
         row["mfu"] = mfu(row["tokens_per_s"], model["flops_per_token"], peak * workers) if peak else None
         return row
 
@@ -792,11 +811,11 @@ def plan(cfg, gpus: int, gpu: str = "H100", net_gbps: float = 100.0, step_time: 
     scaling = None
     micro = cfg.train.micro_batch_size
     if step_time is not None:
-        accum_1 = resolve_batch(flat, 1)[0]  # the measured run's accumulation
+        accum_1 = measured_accum(cfg)
         rows = []
         for n in sorted({2 ** k for k in range(gpus.bit_length())} | {gpus}):
             row = predict_step(cfg, step_comm(cfg, n, net_gbps, latency_us * 1e-6), step_time / accum_1, accum_1)
-            rows.append(with_throughput({"gpus": n, **row}, n, micro * accum_1))
+            rows.append(with_throughput({"gpus": n, **row}, n, n * micro * accum_1))
         scaling = {"step_time_1": step_time, "micro_batch": micro, "grad_accum": accum_1, "rows": rows}
 
     # A fixed global batch on `gpus` workers: the largest micro batch that fits.
@@ -815,11 +834,15 @@ def plan(cfg, gpus: int, gpu: str = "H100", net_gbps: float = 100.0, step_time: 
             target.update(micro_batch=m, grad_accum=per_gpu // m, checkpointing=ckpt, total=total)
             if step_time is not None:
                 # Compute scales with the samples per micro batch (optimistic for small micro
-                # batches, which use the GPU less well) and with recomputation.
-                per_sample_s = step_time / (micro * accum_1)
+                # batches, which use the GPU less well), with recomputation, and with a rank's
+                # share of the model's FLOPs (1/t of each layer's with tensor parallelism: stage_memory).
+                (rank,) = stage_memory(flat, 1, m, ckpt, sdpa, copies)
+                per_sample_s = step_time / (micro * accum_1) * rank["flops_per_token"] / model["flops_per_token"]
                 if ckpt != cfg.model.activation_checkpointing:
                     per_sample_s *= RECOMPUTE_FACTOR if ckpt else 1 / RECOMPUTE_FACTOR
-                target.update(with_throughput(predict_step(cfg, comm, per_sample_s * m, per_gpu // m), gpus, per_gpu))
+                group_s = group_comm_seconds(cfg, m, 1.0, net_gbps, tp_gbps, latency_us * 1e-6)
+                target.update(with_throughput(predict_step(cfg, comm, per_sample_s * m, per_gpu // m, group_s),
+                                              gpus, global_batch))
 
     pipeline = None
     if stages > 1:
@@ -1085,7 +1108,9 @@ def format_plan(p: dict) -> str:
                          f"activation checkpointing {'on' if t['checkpointing'] else 'off'}: "
                          f"{_gib(t['total'])} per GPU")
             if "step_s" in t:
-                lines.append(f"  predicted step {t['step_s']:.3f} s, efficiency {t['efficiency']:.1%}, "
+                group = (f" (of which {t['group_s']:.3f} s the collectives within the split layers' groups)"
+                         if t["group_s"] else "")
+                lines.append(f"  predicted step {t['step_s']:.3f} s{group}, efficiency {t['efficiency']:.1%}, "
                              f"{t['tokens_per_s']:,.0f} tokens/s")
     return "\n".join(lines)
 
