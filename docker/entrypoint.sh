@@ -103,12 +103,15 @@ rank_pids() {
   for pid in "${!parent_of[@]}"; do children[${parent_of[pid]}]+=" $pid"; done
   while ((${#queue[@]})); do
     pid=${queue[0]}
-    queue=("${queue[@]:1}" ${children[pid]:-})
-    mapfile -d '' argv 2> /dev/null < "/proc/$pid/cmdline" || continue
+    queue=("${queue[@]:1}")
+    argv=()
+    mapfile -d '' argv 2> /dev/null < "/proc/$pid/cmdline"
     argv+=('' '' '' '')
     if [[ ${argv[0]##*/} == hvdtrain && ${argv[1]} == train || ${argv[1]##*/} == hvdtrain && ${argv[2]} == train
           || ${argv[1]} == -m && ${argv[2]} == hvdtrain.cli && ${argv[3]} == train ]]; then
-      echo "$pid"
+      echo "$pid"  # not its children: its DataLoader processes are forks with its command line, and stop with it
+    else
+      queue+=(${children[pid]:-})
     fi
   done
 }

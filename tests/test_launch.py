@@ -408,12 +408,15 @@ def test_a_stop_signal_to_the_launcher_stops_the_workers_as_a_preemption(tmp_pat
     """A scheduler's SIGTERM to `hvdtrain launch` reaches the workers: they agree on a step, write
     its checkpoint and stop, and the launcher says so and exits 75 (run the same command again).
     They reach that step 8 seconds after the signal (their first step's straggle starts as the
-    evaluation of step 0 is written): horovodrun's own stop would have killed them after 5."""
+    evaluation of step 0 is written): horovodrun's own stop would have killed them before (Gloo:
+    5 s later; mpirun: at once). Each reads through a DataLoader process, a fork with its command
+    line, which the signal must not reach (the DataLoader would fail the step)."""
     import signal
     from helpers import start_cmd
     from hvdtrain.checkpointing import checkpoint
     out = tmp_path / "run"
-    config = tiny_config({"train": {"max_steps": 500, "slow_ranks": [0, 1], "slow_seconds": 8}})
+    config = tiny_config({"train": {"max_steps": 500, "slow_ranks": [0, 1], "slow_seconds": 8},
+                          "data": {"num_workers": 1}})
     launcher = start_cmd([BIN / "hvdtrain", "launch", "-np", "2", f"--{controller}", config, f"out_dir={out}"])
     deadline = time.monotonic() + 120
     # step 0's evaluation, a collective: every worker is in the loop, its stop signal handled

@@ -12,8 +12,6 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-import psutil
-
 from hvdtrain.errors import UserError
 from hvdtrain.launching.relay import Relay
 from hvdtrain.observe.progress import LAUNCHED
@@ -229,18 +227,27 @@ def run_launch(args) -> int:
 
 def signal_workers(horovodrun: int, signum: int) -> bool:
     """Send `signum` to the workers of this host under process `horovodrun` (behind Horovod's
-    shells, or mpirun). False when none is here."""
+    shells, or mpirun), not to their DataLoader processes: forks with a worker's command line,
+    which stop with it (torch's DataLoader takes a signal to one for its failure). False when
+    none is here, or none whose command line can be read."""
+    import psutil
+
+    def is_worker(process) -> bool:
+        try:
+            return process.cmdline()[1:3] == WORKER_COMMAND[1:]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return False  # ended meanwhile, or hidden from this user
     try:
-        below = psutil.Process(horovodrun).children(recursive=True)
+        workers = [process for process in psutil.Process(horovodrun).children(recursive=True) if is_worker(process)]
     except psutil.NoSuchProcess:
         return False
-    sent = False
-    for process in below:
+    pids, sent = {process.pid for process in workers}, False
+    for process in workers:
         try:
-            if process.cmdline()[1:3] == WORKER_COMMAND[1:]:
+            if process.ppid() not in pids:
                 process.send_signal(signum)
                 sent = True
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+        except psutil.NoSuchProcess:
             pass  # ended meanwhile
     return sent
 

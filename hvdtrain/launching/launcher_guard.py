@@ -4,10 +4,10 @@
 it, in a session of its own (so that a SIGKILL to the launcher's process group spares it),
 armed with Linux's parent-death signal: when the launcher dies, the guard gets SIGTERM and
 passes it to horovodrun's group (horovodrun, and under --mpi the shell and mpirun it starts).
-They stop the workers as on a preemption, so none goes on training into the run folder beside a
-relaunched job. What of the group is still there STOP_GRACE_S later is killed: Horovod's elastic
-driver outlives its stopped workers (it waits to start new ones), and would otherwise stay for
-ever. A launcher that ends normally kills its guard first.
+They stop the workers (Horovod gives each 5 seconds after its SIGTERM to write a preemption
+checkpoint, mpirun none), so none goes on training into the run folder beside a relaunched
+job. What of the group is still there STOP_GRACE_S later is killed: Horovod's elastic driver
+outlives its stopped workers (it waits to start new ones), and would otherwise stay for ever. A launcher that ends normally kills its guard first.
 
     python -m hvdtrain.launching.launcher_guard GROUP LAUNCHER_PID
 """
@@ -18,7 +18,7 @@ import sys
 import time
 
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
-# Time for the workers to write their preemption checkpoint and for horovodrun to end with them
+# Time for horovodrun (or mpirun) to stop its workers and end
 STOP_GRACE_S = 300
 
 
