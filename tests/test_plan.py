@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import REPO
 from hvdtrain.tools import plan as planmod
 from hvdtrain.config import config_from_dict, load_config
 from hvdtrain.errors import UserError
@@ -751,11 +752,19 @@ def test_the_target_step_counts_a_group_s_collectives_and_a_rank_s_share_of_the_
     assert split["group_s"] == pytest.approx(4 * 4 * ring_allreduce_seconds(sbh * 2, 2, 3600.0, 5e-6))
     assert split["step_s"] == pytest.approx(split["compute_s"] + split["group_s"] + split["exposed_s"])
     assert split["tokens_per_s"] == pytest.approx(32 * 128 / split["step_s"])
+    recomputed = plan(llama_shaped(2, activation_checkpointing=True), gpus=8, step_time=0.2)["target"]
+    assert not recomputed["checkpointing"] and recomputed["group_s"] == pytest.approx(split["group_s"])  # 4, not 6
+    # ModernBERT's local attention: at t = 1 a rank computes the measured model's FLOPs, no more
+    modernbert = plan(load_config(REPO / "recipes" / "modernbert-tiny.yaml"), gpus=2, step_time=1.0)["target"]
+    assert modernbert["compute_s"] == pytest.approx(16 / 32)  # 16 samples; measured: 8 x accum 4 in 1 s
+    # weak scaling: the measured (whole) model on every worker, whatever the config splits
+    rows = [plan(llama_shaped(t), gpus=8, step_time=0.2)["scaling"]["rows"] for t in (1, 2)]
+    assert rows[0] == rows[1]
     experts = plan(olmoe_shaped(8), gpus=8, step_time=20.0)["target"]
     alltoall = planmod.alltoall_bytes(olmoe_shaped(8), experts["micro_batch"], experts["grad_accum"]) * 8 / 100e9
     assert experts["group_s"] == pytest.approx(alltoall) and alltoall > 0
     assert experts["step_s"] == pytest.approx(experts["compute_s"] + alltoall + experts["exposed_s"])
-    assert "collectives within the split layers' groups" in planmod.format_plan(plan(olmoe_shaped(8), gpus=8,
+    assert "collectives within tensor- or expert-parallel groups" in planmod.format_plan(plan(olmoe_shaped(8), gpus=8,
                                                                                       step_time=20.0))
 
 

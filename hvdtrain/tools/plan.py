@@ -529,7 +529,9 @@ def stage_memory(cfg, microbatches: int, micro_batch: int, checkpointing: bool, 
     are not (each rank runs its experts on the tokens the others send it).
 
     Each entry: rank, stages (pipeline stage ids), layers ([first, end) per stage), params,
-    flops_per_token (the rank's share of model_flops_per_token), in_flight, parts, total."""
+    flops_per_token (the rank's: 6 x its matmul weights and its layers' attention over the whole
+    sequence, a family's local windows not counted; its ratio to the unsplit model's is the
+    rank's share of model_flops_per_token), in_flight, parts, total."""
     par = cfg.parallel
     p, t = par.pipeline_stages, par.tensor_parallel
     v = par.stages_per_rank if p > 1 else 1
@@ -614,11 +616,16 @@ def pipeline_batches(cfg, stages: int, gpus: int) -> dict:
             "microbatches": m, "runs": grad_accum // m}
 
 
+def unsplit(cfg):
+    """The config with the whole model on every worker: one stage, its layers and experts
+    unsplit (the measured 1-worker run of `--step-time` and `--measured`; plan's weak scaling)."""
+    whole = dataclasses.replace(with_stages(cfg, 1).parallel, tensor_parallel=1, expert_parallel=1)
+    return dataclasses.replace(cfg, parallel=whole)
+
+
 def measured_accum(cfg) -> int:
-    """Micro batches per step of the measured 1-worker run (`--step-time`, `--measured`): the
-    whole model on one worker, its layers and experts unsplit."""
-    one = dataclasses.replace(with_stages(cfg, 1).parallel, tensor_parallel=1, expert_parallel=1)
-    return resolve_batch(dataclasses.replace(cfg, parallel=one), 1)[0]
+    """Micro batches per step of the measured 1-worker run."""
+    return resolve_batch(unsplit(cfg), 1)[0]
 
 
 def seconds_per_flop(cfg, peak: Optional[float], model_flops_utilisation: float,
@@ -673,8 +680,11 @@ def pipeline_plan(cfg, stages: int, gpus: int, budget: float, net_gbps: float, l
            "bubble": ideal_bubble(stages, m, v), "step_s": None}
     if spf is None:
         return row
-    tokens_micro = micro * cfg.data.seq_len
-    slot = max(r["flops_per_token"] for r in ranks) * tokens_micro * spf  # one micro batch on the slowest rank
+    # one micro batch on the slowest rank: its share of the model's FLOPs (model_flops_per_token
+    # counts a family's local attention windows, which stage_memory's full-sequence count does not)
+    (whole,) = stage_memory(unsplit(cfg), 1, micro, ckpt, sdpa)
+    share_of_flops = max(r["flops_per_token"] for r in ranks) / whole["flops_per_token"]
+    slot = share_of_flops * model_flops_per_token(cfg) * micro * cfg.data.seq_len * spf
     share = max(sum(end - first for first, end in r["layers"]) for r in ranks) / cfg.model.n_layer  # its layers
     slot += group_comm_seconds(cfg, micro, share, net_gbps, tp_gbps, latency_s)
     compute = batches["runs"] * (v * m + stages - 1) * slot / v
@@ -807,14 +817,15 @@ def plan(cfg, gpus: int, gpu: str = "H100", net_gbps: float = 100.0, step_time: 
         row["mfu"] = mfu(row["tokens_per_s"], model["flops_per_token"], peak * workers) if peak else None
         return row
 
-    # Weak scaling: the measured 1-worker batch (micro x accum) kept on every worker.
+    # Weak scaling: the measured 1-worker run (the whole model, micro x accum) on every worker.
     scaling = None
     micro = cfg.train.micro_batch_size
     if step_time is not None:
         accum_1 = measured_accum(cfg)
         rows = []
         for n in sorted({2 ** k for k in range(gpus.bit_length())} | {gpus}):
-            row = predict_step(cfg, step_comm(cfg, n, net_gbps, latency_us * 1e-6), step_time / accum_1, accum_1)
+            row = predict_step(unsplit(cfg), step_comm(unsplit(cfg), n, net_gbps, latency_us * 1e-6),
+                               step_time / accum_1, accum_1)
             rows.append(with_throughput({"gpus": n, **row}, n, n * micro * accum_1))
         scaling = {"step_time_1": step_time, "micro_batch": micro, "grad_accum": accum_1, "rows": rows}
 
@@ -835,12 +846,13 @@ def plan(cfg, gpus: int, gpu: str = "H100", net_gbps: float = 100.0, step_time: 
             if step_time is not None:
                 # Compute scales with the samples per micro batch (optimistic for small micro
                 # batches, which use the GPU less well), with recomputation, and with a rank's
-                # share of the model's FLOPs (1/t of each layer's with tensor parallelism: stage_memory).
-                (rank,) = stage_memory(flat, 1, m, ckpt, sdpa, copies)
-                per_sample_s = step_time / (micro * accum_1) * rank["flops_per_token"] / model["flops_per_token"]
+                # share of the whole model's FLOPs (1/t of each layer's with tensor parallelism).
+                (rank,), (whole,) = (stage_memory(c, 1, m, ckpt, sdpa, copies) for c in (flat, unsplit(cfg)))
+                per_sample_s = step_time / (micro * accum_1) * rank["flops_per_token"] / whole["flops_per_token"]
                 if ckpt != cfg.model.activation_checkpointing:
                     per_sample_s *= RECOMPUTE_FACTOR if ckpt else 1 / RECOMPUTE_FACTOR
-                group_s = group_comm_seconds(cfg, m, 1.0, net_gbps, tp_gbps, latency_us * 1e-6)
+                chosen = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, activation_checkpointing=ckpt))
+                group_s = group_comm_seconds(chosen, m, 1.0, net_gbps, tp_gbps, latency_us * 1e-6)
                 target.update(with_throughput(predict_step(cfg, comm, per_sample_s * m, per_gpu // m, group_s),
                                               gpus, global_batch))
 
@@ -1070,7 +1082,7 @@ def format_plan(p: dict) -> str:
     if s is None:
         lines.append("  Step time and scaling: pass --step-time SECONDS or --measured RUN_DIR (a 1-worker run).")
     else:
-        lines += ["", f"Scaling with micro batch {s['micro_batch']} x grad_accum {s['grad_accum']} "
+        lines += ["", f"Scaling with the whole model and micro batch {s['micro_batch']} x grad_accum {s['grad_accum']} "
                   f"on every worker (1-worker step {s['step_time_1']:.3f} s); MFU against {peak}",
                   f"  {'GPUs':>5} {'step s':>9} {'allreduce s':>12} {'exposed s':>10} {'efficiency':>11} "
                   f"{'tokens/s':>12} {'MFU':>6}"]
@@ -1108,7 +1120,7 @@ def format_plan(p: dict) -> str:
                          f"activation checkpointing {'on' if t['checkpointing'] else 'off'}: "
                          f"{_gib(t['total'])} per GPU")
             if "step_s" in t:
-                group = (f" (of which {t['group_s']:.3f} s the collectives within the split layers' groups)"
+                group = (f" (of which {t['group_s']:.3f} s the collectives within tensor- or expert-parallel groups)"
                          if t["group_s"] else "")
                 lines.append(f"  predicted step {t['step_s']:.3f} s{group}, efficiency {t['efficiency']:.1%}, "
                              f"{t['tokens_per_s']:,.0f} tokens/s")
