@@ -810,7 +810,8 @@ def plan(cfg, gpus: int, gpu: str = "H100", net_gbps: float = 100.0, step_time: 
     stages = pp if pp is not None else cfg.parallel.pipeline_stages
     if stages > 1:
         _check_stages(cfg, stages, gpus, "--pp" if pp is not None else "config key 'parallel.pipeline_stages'")
-    flat = with_stages(cfg, 1)  # the data-parallel estimates below: the whole model on every worker
+    flat = with_stages(cfg, 1)  # the data-parallel estimates below: one stage on every worker
+    whole_model = unsplit(cfg)  # ... its layers and experts unsplit too: the measured run's
 
     def with_throughput(row: dict, workers: int, samples_per_step: int) -> dict:
         row["tokens_per_s"] = samples_per_step * cfg.data.seq_len / row["step_s"]
@@ -824,7 +825,7 @@ def plan(cfg, gpus: int, gpu: str = "H100", net_gbps: float = 100.0, step_time: 
         accum_1 = measured_accum(cfg)
         rows = []
         for n in sorted({2 ** k for k in range(gpus.bit_length())} | {gpus}):
-            row = predict_step(unsplit(cfg), step_comm(unsplit(cfg), n, net_gbps, latency_us * 1e-6),
+            row = predict_step(whole_model, step_comm(whole_model, n, net_gbps, latency_us * 1e-6),
                                step_time / accum_1, accum_1)
             rows.append(with_throughput({"gpus": n, **row}, n, n * micro * accum_1))
         scaling = {"step_time_1": step_time, "micro_batch": micro, "grad_accum": accum_1, "rows": rows}
@@ -847,7 +848,7 @@ def plan(cfg, gpus: int, gpu: str = "H100", net_gbps: float = 100.0, step_time: 
                 # Compute scales with the samples per micro batch (optimistic for small micro
                 # batches, which use the GPU less well), with recomputation, and with a rank's
                 # share of the whole model's FLOPs (1/t of each layer's with tensor parallelism).
-                (rank,), (whole,) = (stage_memory(c, 1, m, ckpt, sdpa, copies) for c in (flat, unsplit(cfg)))
+                (rank,), (whole,) = (stage_memory(c, 1, m, ckpt, sdpa, copies) for c in (flat, whole_model))
                 per_sample_s = step_time / (micro * accum_1) * rank["flops_per_token"] / whole["flops_per_token"]
                 if ckpt != cfg.model.activation_checkpointing:
                     per_sample_s *= RECOMPUTE_FACTOR if ckpt else 1 / RECOMPUTE_FACTOR
