@@ -50,7 +50,7 @@ def test_auto_is_accepted_and_other_strings_are_one_line(tmp_path):
         load_config(str(config), ["parallel.layer_boundaries=even"])
 
 
-# A GPT whose head (a 4096 vocabulary at width 64) costs about four of its layers: the even split
+# A GPT whose head (a 4096 vocabulary at width 64) costs three to five of its layers on one thread: the even split
 # [0, 3, 6] leaves the last stage most of the work.
 MODEL = {"arch": "gpt2", "n_layer": 6, "n_head": 2, "d_model": 64, "dropout": 0.0}
 SEQ, VOCAB, MICRO = 64, 4096, 4
@@ -58,7 +58,19 @@ SEQ, VOCAB, MICRO = 64, 4096, 4
 
 def stage_times(splits: list[list[int]], repeats: int = 5) -> dict[tuple, list[float]]:
     """Each split's two stages timed whole (forward, loss on the last, backward), the fastest
-    of `repeats`, the splits interleaved so that the machine's load falls on both alike."""
+    of `repeats`, the splits interleaved so that the machine's load falls on both alike, on one
+    thread as the workers measured them (helpers.OFFLINE's OMP_NUM_THREADS=1): more threads
+    speed up the head's wide matmul more than the narrow layers', and the best split with them
+    is another (here all six layers on the first stage was 1.1x the mean on one thread, 1.3x on two)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _stage_times(splits, repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _stage_times(splits: list[list[int]], repeats: int) -> dict[tuple, list[float]]:
     cfg = ModelConfig(**MODEL)
     stages = {}
     for bounds in splits:
