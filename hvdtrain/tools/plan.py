@@ -623,6 +623,15 @@ def unsplit(cfg):
     return dataclasses.replace(cfg, parallel=whole)
 
 
+def flops_share(ranks: list[dict], cfg, micro_batch: int, checkpointing: bool, sdpa: bool) -> float:
+    """The FLOPs a token of the busiest of `ranks` (stage_memory's rows) as a share of the
+    unsplit model's, both from stage_memory's count (model_flops_per_token counts a family's
+    local attention windows, which stage_memory's full-sequence count does not: the share
+    scales the former)."""
+    (whole,) = stage_memory(unsplit(cfg), 1, micro_batch, checkpointing, sdpa)
+    return max(r["flops_per_token"] for r in ranks) / whole["flops_per_token"]
+
+
 def measured_accum(cfg) -> int:
     """Micro batches per step of the measured 1-worker run."""
     return resolve_batch(unsplit(cfg), 1)[0]
@@ -680,11 +689,8 @@ def pipeline_plan(cfg, stages: int, gpus: int, budget: float, net_gbps: float, l
            "bubble": ideal_bubble(stages, m, v), "step_s": None}
     if spf is None:
         return row
-    # one micro batch on the slowest rank: its share of the model's FLOPs (model_flops_per_token
-    # counts a family's local attention windows, which stage_memory's full-sequence count does not)
-    (whole,) = stage_memory(unsplit(cfg), 1, micro, ckpt, sdpa)
-    share_of_flops = max(r["flops_per_token"] for r in ranks) / whole["flops_per_token"]
-    slot = share_of_flops * model_flops_per_token(cfg) * micro * cfg.data.seq_len * spf
+    # one micro batch on the slowest rank: its share of the model's FLOPs
+    slot = flops_share(ranks, cfg, micro, ckpt, sdpa) * model_flops_per_token(cfg) * micro * cfg.data.seq_len * spf
     share = max(sum(end - first for first, end in r["layers"]) for r in ranks) / cfg.model.n_layer  # its layers
     slot += group_comm_seconds(cfg, micro, share, net_gbps, tp_gbps, latency_s)
     compute = batches["runs"] * (v * m + stages - 1) * slot / v
@@ -848,8 +854,8 @@ def plan(cfg, gpus: int, gpu: str = "H100", net_gbps: float = 100.0, step_time: 
                 # Compute scales with the samples per micro batch (optimistic for small micro
                 # batches, which use the GPU less well), with recomputation, and with a rank's
                 # share of the whole model's FLOPs (1/t of each layer's with tensor parallelism).
-                (rank,), (whole,) = (stage_memory(c, 1, m, ckpt, sdpa, copies) for c in (flat, whole_model))
-                per_sample_s = step_time / (micro * accum_1) * rank["flops_per_token"] / whole["flops_per_token"]
+                share = flops_share(stage_memory(flat, 1, m, ckpt, sdpa, copies), cfg, m, ckpt, sdpa)
+                per_sample_s = step_time / (micro * accum_1) * share
                 if ckpt != cfg.model.activation_checkpointing:
                     per_sample_s *= RECOMPUTE_FACTOR if ckpt else 1 / RECOMPUTE_FACTOR
                 chosen = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, activation_checkpointing=ckpt))
