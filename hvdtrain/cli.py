@@ -40,21 +40,25 @@ def process_rank() -> int:
 
 
 def run_train(args) -> int:
-    from hvdtrain.config import load_config
-    from hvdtrain.parallel.distributed import is_elastic_job
-    from hvdtrain.training.run_guards import RunStopped
+    from hvdtrain.training.run_guards import PreemptionSignal, RunStopped
 
-    cfg = load_config(args.config, args.overrides)
-    if is_elastic_job():
-        from hvdtrain.parallel.elastic import train_elastic as train
-    else:
-        from hvdtrain.training.train import train
+    preemption = PreemptionSignal()  # a stop during the set-up stops the run at its first step
     try:
+        from hvdtrain.config import load_config
+        from hvdtrain.parallel.distributed import is_elastic_job  # imports Horovod
+
+        cfg = load_config(args.config, args.overrides)
+        if is_elastic_job():
+            from hvdtrain.parallel.elastic import train_elastic as train
+        else:
+            from hvdtrain.training.train import train
         train(cfg)
     except RunStopped as stopped:  # on purpose (preemption, divergence): its own exit code
         if process_rank() == 0:
             print(f"hvdtrain: stopped: {stopped}", file=sys.stderr, flush=True)
         return stopped.exit_code
+    finally:
+        preemption.close()
     return 0
 
 

@@ -63,12 +63,21 @@ class RunStopped(Exception):
 
 
 class PreemptionSignal:
-    """Remembers that SIGTERM or SIGUSR1 arrived; restores the previous handlers on close."""
+    """Remembers that SIGTERM or SIGUSR1 arrived; restores the previous handlers on close.
+
+    A worker opens one around its whole run (hvdtrain.cli), and the run opens its own once its
+    steps can start (training.train.opened_run): a signal that came during the set-up (Horovod's
+    init, the data, the model, the resumed state), kept by the outer one, is the inner one's
+    from the start, so the first step stops the run as a later one would (checkpoint, exit 75).
+    Without the outer one, the signal's default action ended the worker there (exit 143, no
+    checkpoint, and the scheduler's requeue saw a failure). After the last step, a signal is
+    kept and ignored: the export of the final checkpoint finishes."""
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
     def __init__(self):
-        self.received = None
         self.previous = {s: signal.signal(s, self.handle) for s in self.SIGNALS}
+        outer = getattr(self.previous[signal.SIGTERM], "__self__", None)
+        self.received = outer.received if isinstance(outer, PreemptionSignal) else None
 
     def handle(self, signum, frame):
         self.received = signal.Signals(signum).name
