@@ -40,14 +40,16 @@ def process_rank() -> int:
 
 
 def run_train(args) -> int:
-    from hvdtrain.training.run_guards import PreemptionSignal, RunStopped
+    from hvdtrain.config import load_config
+
+    # The config first: it needs no torch, so a mistake in it is told in a fraction of a second.
+    cfg = load_config(args.config, args.overrides)
+    from hvdtrain.training.run_guards import PreemptionSignal, RunStopped  # imports torch (seconds)
 
     preemption = PreemptionSignal()  # a stop during the set-up stops the run at its first step
     try:
-        from hvdtrain.config import load_config
         from hvdtrain.parallel.distributed import is_elastic_job  # imports Horovod
 
-        cfg = load_config(args.config, args.overrides)
         if is_elastic_job():
             from hvdtrain.parallel.elastic import train_elastic as train
         else:

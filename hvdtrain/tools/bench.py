@@ -99,9 +99,15 @@ def parse_variations(texts: list[str], config: str, overrides: list[str]) -> lis
     return out
 
 
+def parse_compile_modes(text: str) -> list[bool]:
+    """--compile off / on / off,on: the modes each loop runs in."""
+    try:
+        return [{"off": False, "on": True}[m.strip()] for m in text.split(",")]
+    except KeyError:
+        raise UserError(f"--compile: expected off, on or off,on, got '{text}'") from None
+
+
 def compare_sides(loops: list[str], compile_modes: list[bool], variations: list[str]) -> list[Side]:
-    if variations and "hvdtrain" not in loops:
-        raise UserError("--vary changes the hvdtrain loop: keep it in --loops")
     sides = []
     for compiled in compile_modes:
         if "hvdtrain" in loops:
@@ -276,11 +282,7 @@ def raise_compile_cache_limits():
 
 
 def run_compare(args) -> int:
-    import torch
-
-    from hvdtrain.parallel import distributed
-    from hvdtrain.data import build_data
-
+    # Every argument is checked before torch loads (seconds), so a mistake is told at once.
     if args.steps < 1 or args.windows < 1:
         raise UserError(f"--steps ({args.steps}) and --windows ({args.windows}) must be >= 1")
     config, overrides = args.config, args.overrides
@@ -293,15 +295,20 @@ def run_compare(args) -> int:
         raise UserError(f"--loops: expected hvdtrain, plain or both, got '{args.loops}'")
     cfg = load_config(config, overrides)
     variations = parse_variations(args.vary, config, overrides)
+    if variations and "hvdtrain" not in loops:
+        raise UserError("--vary changes the hvdtrain loop: keep it in --loops")
+    compile_modes = parse_compile_modes(args.compile) if args.compile else None
+
+    import torch
+
+    from hvdtrain.parallel import distributed
+    from hvdtrain.data import build_data
+
     world = distributed.init(cfg)  # first, so both loops run with the thread count hvdtrain sets
     if world.size > 1:
         raise UserError(f"bench {args.benchmark} measures one worker: run it directly, not under horovodrun")
     device = world.device
-    modes = args.compile or ("off,on" if device.type == "cuda" else "off")
-    try:
-        compile_modes = [{"off": False, "on": True}[m.strip()] for m in modes.split(",")]
-    except KeyError:
-        raise UserError(f"--compile: expected off, on or off,on, got '{modes}'") from None
+    compile_modes = compile_modes or ([False, True] if device.type == "cuda" else [False])  # eager and compiled on a GPU
     sides = compare_sides(loops, compile_modes, variations)
     if any(s.compiled for s in sides):
         raise_compile_cache_limits()
