@@ -85,7 +85,8 @@ def test_bad_input_through_launch_is_reported_once(tmp_path, tiny_config):
     assert_one_line_error(proc, ["'train.lr'"], out)
 
 
-@pytest.mark.parametrize("arch,key", [("mixtral model.experts=4", "expert_parallel"), ("llama model.n_head=4", "tensor_parallel")])
+@pytest.mark.parametrize("arch,key", [pytest.param("mixtral model.experts=4", "expert_parallel", marks=pytest.mark.deep),
+                                      ("llama model.n_head=4", "tensor_parallel")])
 def test_groups_that_do_not_divide_the_workers_are_reported_once(tmp_path, tiny_config, arch, key):
     """parallel.expert_parallel=4 (tensor_parallel=4) on 2 workers: known only once the
     workers count themselves."""

@@ -31,7 +31,7 @@ def exported(run) -> dict:
     return load_file(str(run / "hf" / "model.safetensors"))
 
 
-@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+@pytest.mark.parametrize("capacity_factor", [pytest.param(None, marks=pytest.mark.deep), 1.0])  # dropless: 4 workers
 def test_two_expert_groups_train_as_one_worker(tmp_path, tiny_config, capacity_factor):
     """np=1 against np=2 with e=2, dropless and with a capacity factor (the dropped pairs stay
     where they are): per-step losses, the logged router loss, expert tokens, dropped pairs and
@@ -88,7 +88,8 @@ def test_a_checkpoint_resumes_at_another_expert_parallel_size(tmp_path, tiny_con
 
 
 @pytest.mark.parametrize("dtype, sent, tolerance", [("float32", "torch.float32", 1e-5),
-                                                    ("bfloat16", "torch.int16", 2e-2), ("float16", "torch.float16", 2e-3)])
+                                                    ("bfloat16", "torch.int16", 2e-2),
+                                                    pytest.param("float16", "torch.float16", 2e-3, marks=pytest.mark.deep)])
 def test_a_rank_that_receives_no_tokens_takes_part_in_the_backward_exchange(dtype, sent, tolerance):
     """Split experts equal the whole module on each rank's tokens (output, the input's gradient,
     the experts' gradients summed over the group) when every token chooses rank 0's experts:

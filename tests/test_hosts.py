@@ -122,7 +122,7 @@ PROBE = ("import os, horovod.torch as hvd; hvd.init(); print('layout', hvd.rank(
          "hvd.cross_rank(), hvd.cross_size(), os.environ['HOROVOD_HOSTNAME'], flush=True)")
 
 
-@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+@pytest.mark.parametrize("controller", ["gloo", pytest.param("mpi", marks=pytest.mark.deep)])
 def test_two_hosts_over_ssh_train_like_one_host(tmp_path, hosts, one_host_run, controller):
     config, reference = one_host_run
     cache, cache_of_host_2 = tmp_path / "cache", tmp_path / "cache-of-127.0.0.2"

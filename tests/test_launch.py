@@ -281,7 +281,7 @@ def assert_no_echoes(text: str):
 
 
 @pytest.mark.workers
-@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+@pytest.mark.parametrize("controller", ["gloo", pytest.param("mpi", marks=pytest.mark.deep)])
 def test_launch_shows_the_failing_workers_traceback_once(tmp_path, tiny_config, controller):
     proc = hvdtrain("launch", f"--{controller}", "-np", "2", tiny_config(), f"out_dir={tmp_path / 'run'}",
                     env=inject("error"))
@@ -387,7 +387,7 @@ def test_an_elastic_job_on_this_machine_alone_talks_over_loopback(tmp_path):
 
 
 @pytest.mark.workers
-@pytest.mark.parametrize("controller,killed", [("gloo", "launcher"), ("mpi", "launcher"),
+@pytest.mark.parametrize("controller,killed", [("gloo", "launcher"), pytest.param("mpi", "launcher", marks=pytest.mark.deep),
                                                pytest.param("gloo", "group", marks=pytest.mark.deep)])
 def test_the_workers_of_a_killed_launcher_stop_by_themselves(tmp_path, tiny_config, controller, killed):
     """SIGKILL of `hvdtrain launch` alone (its terminal closed, an OOM kill), or of its whole

@@ -103,7 +103,7 @@ def run_closed_stdin(args) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.workers
-@pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "modernbert", "mixtral"])
+@pytest.mark.parametrize("arch", ["gpt2", "bert", *(pytest.param(a, marks=pytest.mark.deep) for a in ("llama", "modernbert", "mixtral"))])
 def test_generate_and_fill_mask_load_a_clean_folder(tmp_path, arch):
     proc = run_closed_stdin([COMMANDS[arch][0], model_folder(tmp_path / "model", arch), *COMMANDS[arch][1:]])
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -111,7 +111,7 @@ def test_generate_and_fill_mask_load_a_clean_folder(tmp_path, arch):
 
 @pytest.mark.workers
 @pytest.mark.parametrize("trap", TRAPS)
-@pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "modernbert"])
+@pytest.mark.parametrize("arch", ["gpt2", "bert", *(pytest.param(a, marks=pytest.mark.deep) for a in ("llama", "modernbert"))])
 def test_generate_and_fill_mask_never_unpickle_nor_run_the_folder_s_code(tmp_path, arch, trap):
     marker = tmp_path / "marker"
     folder = TRAPS[trap](model_folder(tmp_path / "model", arch), marker)

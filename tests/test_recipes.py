@@ -41,7 +41,8 @@ print(json.dumps([g["sequence"] for g in fill(f"the {fill.tokenizer.mask_token} 
 
 
 @pytest.mark.parametrize("recipe,kind,model_class,steps", [("gpt-tiny", "CausalLM", "GPT2LMHeadModel", 40),
-                                                           ("bert-tiny", "MaskedLM", "BertForMaskedLM", 40),
+                                                           pytest.param("bert-tiny", "MaskedLM", "BertForMaskedLM", 40,
+                                                                        marks=pytest.mark.deep),
                                                            pytest.param("llama-tiny", "CausalLM", "LlamaForCausalLM", 40,
                                                                         marks=pytest.mark.deep),
                                                            pytest.param("modernbert-tiny", "MaskedLM",
@@ -107,7 +108,7 @@ def test_tiny_pipeline_recipe_trains_in_two_stages(tmp_path):
 
 
 @pytest.mark.parametrize("recipe,suffix", [("gpt-tiny", ".txt"), pytest.param("gpt-tiny", ".jsonl", marks=pytest.mark.deep),
-                                           ("llama-tiny", ".txt")])
+                                           pytest.param("llama-tiny", ".txt", marks=pytest.mark.deep)])
 def test_local_corpus_and_tokenization_cache(tmp_path, recipe, suffix):
     from hvdtrain.data.text import builtin_corpus
     docs = [d for d in builtin_corpus()["text"][:40]]

@@ -261,7 +261,7 @@ def test_a_fully_sharded_copy_builds_with_its_share_of_the_host_memory(tmp_path)
 
 
 @pytest.mark.workers
-@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+@pytest.mark.parametrize("arch", ["gpt2", pytest.param("bert", marks=pytest.mark.deep)])
 def test_two_stages_start_from_the_weights_of_one_worker(tmp_path, arch):
     config = write_config(tmp_path / "config.yaml", {"model": {"arch": arch, "n_layer": 4},
                                                      "train": {"grad_accum": 2}})

@@ -213,6 +213,7 @@ def test_fp16_sharded_an_inf_in_one_rank_s_slices_skips_the_step_on_both(tmp_pat
         assert torch.equal(ranks[0][name], ranks[1][name]), name
 
 
+@pytest.mark.deep
 def test_fp16_two_slices_train_as_one_worker(tmp_path, tiny_config):
     """GPT-2 in fp16 (autocast, dynamic loss scale): t=2 follows one worker's losses and gradient
     norms within fp16's rounding (seen: 3e-5 and 1e-3 relative); no step overflows here (the
