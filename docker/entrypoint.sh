@@ -125,7 +125,7 @@ alive() { # PID: running, not a zombie that its parent has yet to collect
 
 # A stop signal (Kubernetes' eviction, `docker stop`, Ctrl-C) goes to PID 1 only. The ranks get it
 # as hvdtrain's preemption signal (SIGTERM; SIGUSR1 as given): they agree on a step, write a
-# checkpoint and exit (hvdtrain/training/run_guards.py); the orchestrator's grace period bounds the wait.
+# checkpoint and exit (hvdtrain/training/stopping.py); the orchestrator's grace period bounds the wait.
 # Then, in a worker, sshd is stopped, which ends the container (exit 0); a launcher (`hvdtrain
 # launch`, horovodrun) ends by itself once its ranks have. Without ranks here the child gets the
 # SIGTERM itself. SIGUSR1 only warns: the container stays.

@@ -44,11 +44,11 @@ def run_train(args) -> int:
 
     # The config first: it needs no torch, so a mistake in it is told in a fraction of a second.
     cfg = load_config(args.config, args.overrides)
-    from hvdtrain.training.run_guards import PreemptionSignal, RunStopped  # imports torch (seconds)
+    from hvdtrain.training.stopping import PreemptionSignal, RunStopped
 
     preemption = PreemptionSignal()  # a stop during the set-up stops the run at its first step
     try:
-        from hvdtrain.parallel.distributed import is_elastic_job  # imports Horovod
+        from hvdtrain.parallel.distributed import is_elastic_job  # imports torch and Horovod (seconds)
 
         if is_elastic_job():
             from hvdtrain.parallel.elastic import train_elastic as train

@@ -35,17 +35,19 @@ def test_a_signal_to_rank_1_checkpoints_every_rank_and_the_rerun_equals_a_straig
     assert_same_params(load_params(straight, 0), load_params(preempted, 0))
 
 
-def test_a_stop_signal_during_the_set_up_stops_the_run_after_its_first_step(tmp_path, tiny_config):
+@pytest.mark.parametrize("library", ["torch/lib/libtorch", "horovod/torch/mpi_lib"], ids=["torch", "horovod"])
+def test_a_stop_signal_during_the_set_up_stops_the_run_after_its_first_step(tmp_path, tiny_config, library):
     """A scheduler may preempt a job that is still starting. The signal here comes once the
-    worker has loaded Horovod's library, before its init, data and model: the run still stops
-    as a preempted one, after step 1 with its checkpoint and exit 75 (before, the signal's
-    default action ended it with 143 and nothing to resume)."""
+    worker has loaded PyTorch's library (its import has seconds to go) or Horovod's (before its
+    init, data and model): the run still stops as a preempted one, after step 1 with its
+    checkpoint and exit 75 (before, the signal's default action ended it with 143 and nothing
+    to resume)."""
     config = tiny_config({"train": {"max_steps": STEPS}, "checkpoint": {"every": 100}})
     out = tmp_path / "run"
     proc = start_cmd([BIN / "hvdtrain", "train", config, f"out_dir={out}"])
     maps, deadline = f"/proc/{proc.pid}/maps", time.monotonic() + 120
-    while "horovod/torch/mpi_lib" not in open(maps).read():
-        assert proc.poll() is None and time.monotonic() < deadline, "the worker never loaded Horovod"
+    while library not in open(maps).read():
+        assert proc.poll() is None and time.monotonic() < deadline, f"the worker never loaded {library}"
         time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=300)

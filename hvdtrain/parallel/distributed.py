@@ -286,7 +286,7 @@ class StepTotals:
     """What every rank tells every other once per step, in one small allreduce that runs in the
     background while the model computes (no extra synchronisation point before the forward
     pass): its target tokens, for TokenNormalizer, and its stop vote: a rank asked to stop
-    (preemption, hvdtrain.training.run_guards) tells every other, so all stop at the same step.
+    (preemption, hvdtrain.training.stopping) tells every other, so all stop at the same step.
 
     With pipeline stages every stage of a pipeline reads the same samples, so the count summed
     over all workers holds each target `stages` times."""

@@ -1,10 +1,5 @@
-"""When a run stops early, and how: preemption signals, non-finite steps and stalled workers.
-
-Preemption: a scheduler sends SIGTERM or SIGUSR1 before it kills a job (Slurm's `--signal`,
-Kubernetes' termination grace period). The handler only sets a flag. The flag rides on the
-allreduce of target-token counts that every step already does, so all ranks agree at the
-same step boundary, write a checkpoint and exit with PREEMPTED_EXIT_CODE; rerunning the same
-command resumes exactly.
+"""When a run stops early on its own: non-finite steps and stalled workers (preemption, the
+other early stop, and the exit codes of all three: hvdtrain.training.stopping).
 
 Non-finite steps: a step whose gradient norm is inf or NaN (a loss spike, a bad batch) is
 skipped and counted; with fp16 the grad scaler skips it (and backs off its scale), and it is
@@ -23,72 +18,21 @@ out. So every worker watches itself: see StallWatchdog. A plain job ends, naming
 worker; an elastic job goes on without it.
 """
 import os
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 import traceback
-from pathlib import Path
 
 import torch
 
 from hvdtrain.launching.relay import LEAVING, STALLED  # how the watchdog's lines start: the launcher reads them
+from hvdtrain.training.stopping import DIVERGED_EXIT_CODE, STALLED_EXIT_CODE, RunStopped
 
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: a temporary failure; run the same command again
-DIVERGED_EXIT_CODE = 3
-STALLED_EXIT_CODE = 4
 # Where a worker that waits for the others is: in Horovod's wait for a collective, or in the
 # pipeline's sends and receives between stages.
 COLLECTIVE_PACKAGES = ("horovod", "torch.distributed")
-
-
-def mark_preempted(world):
-    """Create the file named by HVDTRAIN_PREEMPTED_FILE (rank 0): a job script that starts the
-    workers with srun or mpirun can tell a preempted run (requeue it) from a failed one, whatever
-    exit code the launcher makes of the workers' 75 (srun --kill-on-bad-exit may kill the last
-    ones as they exit)."""
-    marker = os.environ.get("HVDTRAIN_PREEMPTED_FILE")
-    if marker and world.is_main:
-        Path(marker).touch()
-
-
-class RunStopped(Exception):
-    """The run ended early on purpose; `exit_code` tells the scheduler why."""
-
-    def __init__(self, message: str, exit_code: int):
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-class PreemptionSignal:
-    """Remembers that SIGTERM or SIGUSR1 arrived; restores the previous handlers on close.
-
-    A worker opens one around its whole run (hvdtrain.cli), and the run opens its own once its
-    steps can start (training.train.opened_run): a signal that came during the set-up (Horovod's
-    init, the data, the model, the resumed state), kept by the outer one, is the inner one's
-    from the start, so the first step stops the run as a later one would (checkpoint, exit 75).
-    Without the outer one, the signal's default action ended the worker there (exit 143, no
-    checkpoint, and the scheduler's requeue saw a failure). After the last step, a signal is
-    kept and ignored: the export of the final checkpoint finishes."""
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-    def __init__(self):
-        self.previous = {s: signal.signal(s, self.handle) for s in self.SIGNALS}
-        outer = getattr(self.previous[signal.SIGTERM], "__self__", None)
-        self.received = outer.received if isinstance(outer, PreemptionSignal) else None
-
-    def handle(self, signum, frame):
-        self.received = signal.Signals(signum).name
-
-    @property
-    def requested(self) -> bool:
-        return self.received is not None
-
-    def close(self):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
 
 
 class NonFiniteGuard:

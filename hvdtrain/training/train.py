@@ -45,8 +45,8 @@ from hvdtrain.optim.optimizers import build_optimizer
 from hvdtrain.paths import check_writable_folder
 from hvdtrain.observe.profiling import Profiler
 from hvdtrain.tools import plan
-from hvdtrain.training.run_guards import (PREEMPTED_EXIT_CODE, NonFiniteGuard, PreemptionSignal, RunStopped,
-                                  StallWatchdog, mark_preempted)
+from hvdtrain.training.run_guards import NonFiniteGuard, StallWatchdog
+from hvdtrain.training.stopping import PREEMPTED_EXIT_CODE, PreemptionSignal, RunStopped, mark_preempted
 from hvdtrain.training.periodic import Checkpointer, Commits, Evaluator, StepLog
 from hvdtrain.observe.run_log import RunLog
 from hvdtrain.observe.trackers import Trackers
