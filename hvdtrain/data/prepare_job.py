@@ -31,9 +31,10 @@ WORLD_SIZE_VARIABLES = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
 def run_prepare(args) -> int:
     from hvdtrain.config import load_config
+
+    cfg = load_config(args.config, args.overrides)  # no torch yet: a mistake in the config is told at once
     from hvdtrain.data import preparation
 
-    cfg = load_config(args.config, args.overrides)
     if any(int(os.environ.get(v, "1")) > 1 for v in WORLD_SIZE_VARIABLES):
         index, folder = prepare_with_workers(cfg, args.verify)
     else:

@@ -17,15 +17,16 @@ def check_model_dir(path: str):
         raise UserError(f"'{path}' has no model.safetensors; hvdtrain does not load pickled weights")
 
 
-def load_model_dir(path: str, auto_class):
-    """(model, tokenizer) of a model folder: weights from safetensors only and no Python code
-    from the folder (trust_remote_code=False: a config's auto_map neither prompts nor runs)."""
-    from transformers import AutoTokenizer
+def load_model_dir(path: str, auto_class: str):
+    """(model, tokenizer) of a model folder, the model by transformers' `auto_class`: weights from
+    safetensors only and no Python code from the folder (trust_remote_code=False: a config's
+    auto_map neither prompts nor runs)."""
+    check_model_dir(path)  # before transformers loads (seconds): a wrong folder is told at once
+    import transformers
 
-    check_model_dir(path)
     try:  # the model first: a config that needs the folder's code stops here, before the tokenizer reads it
-        model = auto_class.from_pretrained(path, use_safetensors=True, trust_remote_code=False)
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        model = getattr(transformers, auto_class).from_pretrained(path, use_safetensors=True, trust_remote_code=False)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"'{path}': could not load the model ({first})") from None
@@ -33,10 +34,9 @@ def load_model_dir(path: str, auto_class):
 
 
 def run_generate(args) -> int:
+    model, tokenizer = load_model_dir(args.model, "AutoModelForCausalLM")
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model, tokenizer = load_model_dir(args.model, AutoModelForCausalLM)
     torch.manual_seed(args.seed)
     inputs = tokenizer(args.prompt, return_tensors="pt")
     with torch.no_grad():
@@ -47,9 +47,9 @@ def run_generate(args) -> int:
 
 
 def run_fill_mask(args) -> int:
-    from transformers import AutoModelForMaskedLM, pipeline
+    model, tokenizer = load_model_dir(args.model, "AutoModelForMaskedLM")
+    from transformers import pipeline
 
-    model, tokenizer = load_model_dir(args.model, AutoModelForMaskedLM)
     fill = pipeline("fill-mask", model=model, tokenizer=tokenizer, trust_remote_code=False)
     if fill.tokenizer.mask_token not in args.text:
         raise UserError(f"the text must contain the mask token {fill.tokenizer.mask_token}")
