@@ -80,7 +80,7 @@ def test_any_number_of_processes_writes_the_same_files(tmp_path, caplog):
 def test_reused_unless_something_that_decides_the_tokens_changed(tmp_path, monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="hvdtrain")
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text("\n\n".join(builtin_corpus()["text"]))
+    corpus.write_text("\n\n".join(builtin_corpus()))
     cfg = config(tmp_path / "cache", source=str(corpus))
     first = build_data(cfg, seed=0)
     assert "cache hit" not in caplog.text

@@ -46,7 +46,7 @@ def test_builtin_corpus_is_real_prose_in_a_fixed_order(tmp_path):
     assert len(texts) > 50
     assert sum(len(t) for t in texts) > 300_000
     assert any("\n\n" in t for t in texts), "paragraphs are kept inside a document"
-    assert texts == list(builtin_corpus()["text"])
+    assert texts == builtin_corpus()
     assert documents(corpus.train) == texts, "read again from the start"
     assert corpus.fingerprint == load(tmp_path, "builtin").fingerprint
 

@@ -23,7 +23,7 @@ SAMPLES = ["Hello World, the quick brown fox jumps over the lazy dog.",
 @pytest.fixture(scope="module")
 def corpus():
     """The builtin corpus as one batch of documents."""
-    return [list(builtin_corpus()["text"])]
+    return [builtin_corpus()]
 
 
 def builtin(tmp_path, **options):

@@ -77,7 +77,7 @@ def test_workers_that_see_the_max_tokens_cut_at_different_pieces_write_the_one_p
 
 def test_a_killed_preparation_is_never_taken_for_complete(tmp_path, tiny_config, monkeypatch, caplog):
     config = tiny_config({**TEXT, "data": {**TEXT["data"], "source": str(tmp_path / "corpus.txt")}})
-    (tmp_path / "corpus.txt").write_text("\n\n".join(list(builtin_corpus()["text"]) * 4))  # ~2 MB
+    (tmp_path / "corpus.txt").write_text("\n\n".join(builtin_corpus() * 4))  # ~2 MB
     cache = tmp_path / "cache"
     proc = subprocess.Popen([sys.executable, WORKERS / "prepare_pieces.py", PIECES, config, f"data.cache_dir={cache}",
                              "data.num_proc=1"], env={**os.environ, **OFFLINE}, start_new_session=True,

@@ -111,7 +111,7 @@ def test_tiny_pipeline_recipe_trains_in_two_stages(tmp_path):
                                            pytest.param("llama-tiny", ".txt", marks=pytest.mark.deep)])
 def test_local_corpus_and_tokenization_cache(tmp_path, recipe, suffix):
     from hvdtrain.data.text import builtin_corpus
-    docs = [d for d in builtin_corpus()["text"][:40]]
+    docs = builtin_corpus()[:40]
     corpus = tmp_path / f"corpus{suffix}"
     if suffix == ".txt":
         corpus.write_text("\n\n".join(docs))

@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import datasets
 import numpy as np
 
 from hvdtrain.config import DataConfig
@@ -131,15 +130,15 @@ def open_corpus(cfg: DataConfig, cache_root: Path) -> Corpus:
     return Corpus(train, validation, None if validation else cfg.validation_fraction)
 
 
-def builtin_corpus() -> datasets.Dataset:
+def builtin_corpus() -> list[str]:
     """Python's documentation topics (about half a megabyte of English prose, paragraphs
     kept), one document per topic in sorted order so every process sees the same rows."""
     from pydoc_data.topics import topics
-    return datasets.Dataset.from_dict({"text": [topics[name] for name in sorted(topics)]})
+    return [topics[name] for name in sorted(topics)]
 
 
 def _builtin(cfg: DataConfig) -> Documents:
-    texts = list(builtin_corpus()["text"])
+    texts = builtin_corpus()
     digest = hashlib.sha256("\0".join(texts).encode()).hexdigest()
     return Documents("builtin", cache_key("builtin", digest, cfg.max_documents), lambda: [{"text": texts}],
                      "text", size=sum(len(t) for t in texts), max_documents=cfg.max_documents)
@@ -167,6 +166,8 @@ def _local(cfg: DataConfig, cache_root: Path) -> Documents:
     stats = [(f, stat.st_size, stat.st_mtime_ns) for f in files for stat in [Path(f).stat()]]
 
     def rows():
+        import datasets  # here, not at the top: a run on synthetic, built-in or tokenized data never loads it (0.5 s)
+
         stream = datasets.load_dataset(builder, data_files=files, split="train", streaming=True,
                                        cache_dir=str(cache_root / "datasets"), **options)
         return stream.iter(batch_size=READ_BATCH)
@@ -214,6 +215,8 @@ def _hub_split(cfg: DataConfig, split: str) -> Documents:
     and keyed by the dataset's revision. Downloaded, it is keyed by `datasets`' fingerprint of
     its Arrow cache and read through that cache's memory map (the pages read count in the
     process's RSS but are the kernel's page cache, dropped when memory is short)."""
+    import datasets
+
     try:
         if cfg.streaming:
             builder = datasets.load_dataset_builder(cfg.source, cfg.hub_config)
