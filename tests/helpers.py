@@ -2,6 +2,7 @@
 runs of hvdtrain, and comparisons of runs (losses step by step, parameters tensor by tensor)."""
 import os
 import re
+import signal
 import struct
 import subprocess
 import sys
@@ -52,12 +53,19 @@ def run_cmd(args: list, timeout: int = 300, env: dict | None = None) -> subproce
                           env=dict(os.environ, **OFFLINE, **SHARED_CORES, **(env or {})), cwd=REPO)
 
 
+def default_sigint():
+    """SIGINT handled by default, as under a terminal (Ctrl-C). pytest started from a background
+    job (`make test &` in a script, nohup) has SIGINT ignored, which its children inherit: Python
+    then never raises KeyboardInterrupt and bash cannot trap it, so a test's SIGINT would go unseen."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_cmd(args: list, env: dict | None = None, new_session: bool = False) -> subprocess.Popen:
     """run_cmd's command, started: the test acts on it while it runs (`new_session`: as a shell's
     job, in a process group of its own)."""
     return subprocess.Popen([str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, **OFFLINE, **SHARED_CORES, **(env or {})), cwd=REPO,
-                            start_new_session=new_session)
+                            start_new_session=new_session, preexec_fn=default_sigint)
 
 
 def hvdtrain(*args, **kw) -> subprocess.CompletedProcess:

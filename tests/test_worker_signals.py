@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import BIN, OFFLINE, REPO, SHARED_CORES
+from helpers import BIN, OFFLINE, REPO, SHARED_CORES, default_sigint
 from hvdtrain.checkpointing import checkpoint
 
 ENTRYPOINT = REPO / "docker" / "entrypoint.sh"
@@ -48,15 +48,7 @@ while true; do sleep 0.05; done
     # Its output goes to files: what it leaves running (as a container's kernel would not) keeps pipes open.
     with open(tmp_path / "worker.out", "w") as out, open(tmp_path / "worker.err", "w") as err:
         return subprocess.Popen([ENTRYPOINT, "worker"], stdout=out, stderr=err, env=env, cwd=REPO,
-                                preexec_fn=as_container_pid_1)
-
-
-def as_container_pid_1():
-    """SIGINT handled by default, as in a container's first process. pytest started from a
-    background job (`make test &` in a script, nohup) has SIGINT ignored, which its children
-    inherit, and bash cannot trap a signal that was ignored when it started: the entrypoint
-    would never see the SIGINT this test sends."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+                                preexec_fn=default_sigint)  # as a container's first process has it
 
 
 def wait_for(condition, proc: subprocess.Popen, timeout: float, what: str):
