@@ -18,8 +18,8 @@ train: setup
 	$(BIN)/hvdtrain launch -np $(NP) $(RECIPE)
 	$(BIN)/hvdtrain generate runs/gpt-tiny/hf "The Python language" --max-new-tokens 40
 
-# Every test but the wider grids marked `deep` (under 45 minutes on 2 cores); the 25 slowest
-# named at the end, to keep an eye on that limit.
+# Every test but the wider grids marked `deep` (to stay under 45 minutes on 2 cores: see README's
+# measured times); the 25 slowest named at the end, to keep an eye on that limit.
 test: setup
 	$(BIN)/python -m pytest -q -m "not deep" --durations=25 tests
 
