@@ -1,5 +1,5 @@
-"""When a run stops early on its own: non-finite steps and stalled workers (preemption, the
-other early stop, and the exit codes of all three: hvdtrain.training.stopping).
+"""When a run stops early on its own: non-finite steps and stalled workers. (Preemption,
+RunStopped and the exit codes are in hvdtrain.training.stopping.)
 
 Non-finite steps: a step whose gradient norm is inf or NaN (a loss spike, a bad batch) is
 skipped and counted; with fp16 the grad scaler skips it (and backs off its scale), and it is
