@@ -13,6 +13,8 @@ import pytest
 import torch
 import yaml
 
+import forked_horovodrun
+
 from hvdtrain.config import deep_merge
 from hvdtrain.observe.metrics import read_metrics as read_run_metrics
 
@@ -48,9 +50,14 @@ def write_config(path: Path, overrides: dict | None = None, base: dict = TINY) -
 SHARED_CORES = {"OMPI_MCA_mpi_yield_when_idle": "1"}
 
 
+def command_env(env: dict | None) -> dict:
+    """A command's environment: the tests' own, offline, cores shared, and `env` over it."""
+    return dict(os.environ, **OFFLINE, **SHARED_CORES, **(env or {}))
+
+
 def run_cmd(args: list, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, **OFFLINE, **SHARED_CORES, **(env or {})), cwd=REPO)
+                          env=command_env(env), cwd=REPO)
 
 
 def default_sigint():
@@ -64,7 +71,7 @@ def start_cmd(args: list, env: dict | None = None, new_session: bool = False) ->
     """run_cmd's command, started: the test acts on it while it runs (`new_session`: as a shell's
     job, in a process group of its own)."""
     return subprocess.Popen([str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, **OFFLINE, **SHARED_CORES, **(env or {})), cwd=REPO,
+                            env=command_env(env), cwd=REPO,
                             start_new_session=new_session, preexec_fn=default_sigint)
 
 
@@ -72,9 +79,12 @@ def hvdtrain(*args, **kw) -> subprocess.CompletedProcess:
     return run_cmd([BIN / "hvdtrain", *args], **kw)
 
 
-def horovodrun(np: int, script_args: list, controller: str = "gloo", **kw) -> subprocess.CompletedProcess:
-    """`horovodrun -np N --gloo|--mpi python ...`: real worker processes talking through Gloo or MPI."""
-    return run_cmd([BIN / "horovodrun", "-np", np, f"--{controller}", sys.executable, *script_args], **kw)
+def horovodrun(np: int, script_args: list, controller: str = "gloo", timeout: int = 300,
+               env: dict | None = None) -> subprocess.CompletedProcess:
+    """`horovodrun -np N --gloo|--mpi python ...`: real worker processes talking through Gloo or MPI,
+    started by Horovod's own launcher, forked from a server that has it loaded (forked_horovodrun.py)."""
+    argv = [str(a) for a in (BIN / "horovodrun", "-np", np, f"--{controller}", sys.executable, *script_args)]
+    return forked_horovodrun.run(argv, command_env(env), REPO, timeout)
 
 
 # Open MPI refuses to run as root unless told that it is meant (horovodrun tells it itself).
