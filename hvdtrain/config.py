@@ -390,10 +390,10 @@ class ParallelConfig:
     # Tensor parallelism (Megatron-LM's, docs/tensor-parallel.md): each layer's attention and MLP
     # matrices split over this many neighbouring workers (one node), which read the same samples,
     # with torch.distributed.tensor.parallel; the workers / t copies are data parallel as without.
-    # Must divide the workers, model.n_head and model.n_kv_head. With parallel.shard optimizer or
-    # gradients each rank's slices are sharded over the copies holding the same ones. With pipeline
-    # stages each stage's layers are split (workers = t x stages x copies). Not yet with
-    # model.arch mixtral, parallel.shard full or expert parallelism. 1: whole layers.
+    # Must divide the workers, model.n_head and model.n_kv_head. With parallel.shard each rank's
+    # slices are sharded over the copies holding the same ones (full: its slices of the weights
+    # too, gathered unit by unit). With pipeline stages each stage's layers are split (workers =
+    # t x stages x copies). Not yet with model.arch mixtral or expert parallelism. 1: whole layers.
     tensor_parallel: int = 1
 
     def check(self):
@@ -721,8 +721,6 @@ def validate(cfg: Config):
             # split layers' gradients (DTensors) do not go through Horovod's hooks
             _require(par.reduce_gradients != "during", "parallel.reduce_gradients",
                      "'after' with parallel.tensor_parallel > 1 and pipeline stages", par.reduce_gradients)
-        _require(par.shard != "full", "parallel.shard", "'none', 'optimizer' or 'gradients' with "
-                 "parallel.tensor_parallel > 1 (gathering split weights unit by unit is not supported yet)", par.shard)
     # Cross-section: sharding reduce-scatters the gradients itself, uncompressed.
     _require(par.shard == "none" or cfg.horovod.compression == "none", "horovod.compression",
              f"'none' with parallel.shard={par.shard!r} (the gradients are reduce-scattered in their own dtype)",

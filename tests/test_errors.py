@@ -36,8 +36,6 @@ CASES = [
      ["'parallel.tensor_parallel'", "1 with model.arch 'mixtral' (its layers are not split yet)"]),
     (["model.arch=llama", "model.n_head=4", "model.n_kv_head=1", "parallel.tensor_parallel=2"],
      ["'parallel.tensor_parallel'", "a divisor of model.n_kv_head (1)"]),
-    (["model.arch=llama", "parallel.tensor_parallel=2", "parallel.shard=full"],
-     ["'parallel.shard'", "'none', 'optimizer' or 'gradients' with parallel.tensor_parallel > 1"]),
     (["model.arch=bert", "model.tie_embeddings=false"], ["'model.tie_embeddings'", "model.arch bert"]),
     (["model.arch=t5"], ["'model.arch'", "'llama'"]),
     (["model.local_attention=64"], ["'model.local_attention'", "a knob of modernbert only"]),

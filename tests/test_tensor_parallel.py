@@ -3,9 +3,9 @@ over t ranks with torch.distributed.tensor.parallel, through real horovodrun wor
 dropout 0, clipping active). t=2 trains as one worker does (Llama with grouped-query attention,
 BERT); t=2 x 2 copies (4 workers) too, and t=2 x 2 pipeline stages, also with activation
 checkpointing, an interleaved schedule, compiled blocks and bf16 (make test-deep); each rank
-holds its slices of the one-worker model; a
-checkpoint written at t=2 resumes at t=1 and one written at t=1 at t=2; the export is the whole
-model; fp16 skips a step on every rank of a group when one slice finds inf. (Bad input: test_errors.)"""
+holds its slices of the one-worker model, also with its slices sharded over the copies
+(parallel.shard optimizer, gradients, full); a checkpoint written at t=2 resumes at t=1 and one
+written at t=1 at t=2; the export is the whole model; fp16 skips a step on every rank of a group when one slice finds inf. (Bad input: test_errors.)"""
 import json
 
 import pytest
@@ -165,6 +165,20 @@ def test_sharded_optimizer_over_the_copies_of_each_slice(tmp_path, tiny_config):
     train_workers(1, config, f"out_dir={one}")
     train_sharded_across_layouts(config, moved, "parallel.tensor_parallel=2")
     assert_trains_as_one_worker(one, moved)
+
+
+def test_fully_sharded_weights_over_the_copies_of_each_slice(tmp_path, tiny_config):
+    """t=2 x 2 copies (4 workers) with parallel.shard=full: each rank's slices of the weights
+    themselves sharded over the two copies holding them, gathered unit by unit as forward and
+    backward reach it (to step 4, its checkpoint gathered whole, then resumed at the same layout
+    to 8): the one worker's losses, gradient norms (clipped) and weights."""
+    config = tiny_config(LLAMA)
+    one, split = tmp_path / "np1", tmp_path / "split"
+    train_workers(1, config, f"out_dir={one}")
+    for stop in (4, 8):
+        train_workers(4, config, f"out_dir={split}", "parallel.tensor_parallel=2", "parallel.shard=full",
+                      f"train.stop_at_step={stop}", timeout=900)
+    assert_trains_as_one_worker(one, split)
 
 
 @pytest.mark.deep

@@ -32,6 +32,10 @@ hook) the one before, until it is freed.
 With pipeline stages (1F1B interleaves forwards and backwards of different micro batches) the
 rule is the same: a unit is gathered before each use and freed at another unit's hook.
 
+With tensor parallelism a split parameter is a DTensor: what is sharded, gathered and freed is
+its local tensor, this rank's slice of the layer, over the copies holding the same slices (the
+ShardedOptimizer's); the model is then built whole on each rank and split, not a unit at a time.
+
 Parameters in no unit (none in hvdtrain's families) stay whole.
 """
 import ctypes
@@ -42,6 +46,7 @@ import torch
 from hvdtrain.models import family_of
 from hvdtrain.models.common import switch
 from hvdtrain.parallel.sharded_optimizer import off_the_wire, on_the_wire, shard_range
+from hvdtrain.parallel.tensor_parallel import is_split, local
 
 # The embeddings' inputs are token ids: their backward pre-hook fires on the outputs' gradients
 # alone, which is what it is for here; torch warns about it on every run.
@@ -125,6 +130,12 @@ def _trim_host_heap():
         trim(0)
 
 
+def values(param: torch.nn.Parameter) -> torch.Tensor:
+    """The tensor whose storage holds `param`'s values on this rank, without autograd: a split
+    parameter's (a DTensor's) local tensor, its slice of the layer."""
+    return local(param.data)
+
+
 class _Unit:
     def __init__(self, index: int, name: str, modules: list[torch.nn.Module], slices: list):
         self.index, self.name, self.modules, self.slices = index, name, modules, slices
@@ -149,7 +160,7 @@ class ShardedWeights:
         self.prefetch = switch("HVDTRAIN_PREFETCH") == "on"
         for s in optimizer.slices:
             if id(s.param) in covered:
-                s.param.data.untyped_storage().resize_(0)
+                values(s.param).untyped_storage().resize_(0)
         for unit in self.units:
             for module in unit.modules:
                 module.register_forward_pre_hook(lambda *_, u=unit: self._forward(u))
@@ -193,7 +204,7 @@ class ShardedWeights:
         unit.handle = None
         for s, whole in zip(unit.slices, wholes):
             if self.holders[id(s.param)] == 0:  # else another unit holds it, with the same values
-                data = s.param.data
+                data = values(s.param)
                 data.untyped_storage().resize_(data.numel() * data.element_size())
                 data.view(-1).copy_(off_the_wire(whole, data.dtype))
             self.holders[id(s.param)] += 1
@@ -208,7 +219,7 @@ class ShardedWeights:
         for s in unit.slices:
             self.holders[id(s.param)] -= 1
             if self.holders[id(s.param)] == 0:
-                s.param.data.untyped_storage().resize_(0)
+                values(s.param).untyped_storage().resize_(0)
         unit.gathered = False
 
     def free_all(self):
@@ -221,4 +232,13 @@ class ShardedWeights:
         self.free_all()
         for unit in self.units:
             for s in unit.slices:
-                s.param.data = torch.empty(0, dtype=s.param.dtype, device=s.param.device)
+                if not is_split(s.param):
+                    s.param.data = torch.empty(0, dtype=s.param.dtype, device=s.param.device)
+            # A split one (a DTensor) keeps its shape over the freed storage, which a read would
+            # run past (a crash, not an error): an empty plain parameter takes its place.
+            for module in unit.modules:
+                for owner in module.modules():
+                    for name, param in list(owner.named_parameters(recurse=False)):
+                        if is_split(param):
+                            empty = torch.empty(0, dtype=param.dtype, device=param.device)
+                            setattr(owner, name, torch.nn.Parameter(empty, param.requires_grad))

@@ -240,9 +240,11 @@ def parameter_parts(cfg):
 
 def largest_unit_params(cfg) -> int:
     """Parameters of parallel.shard=full's largest unit (hvdtrain.parallel.sharded_weights.units_of):
-    a transformer layer, the embeddings, or the head with its output matrix (tied or not)."""
+    a transformer layer (a worker's 1/t of it, with parallel.tensor_parallel = t), the embeddings,
+    or the head with its output matrix (tied or not)."""
     parts = parameter_parts(cfg)
-    return max(parts.layer, parts.embeddings, parts.head + cfg.data.vocab_size * cfg.model.d_model)
+    return max(parts.layer // cfg.parallel.tensor_parallel, parts.embeddings,
+               parts.head + cfg.data.vocab_size * cfg.model.d_model)
 
 
 def params_per_worker(cfg) -> int:
