@@ -197,12 +197,13 @@ def test_print_horovod_env_with_a_cpu_torch(tmp_path):
 # ---------------------------------------------------------------- the pinned source package
 
 def write_sdist(install, build_dir: Path) -> Path:
-    """A well-formed horovod sdist holding the files HOROVOD_PATCHES edits, but not the
-    published one (so its sha256 differs from the pin)."""
+    """A well-formed horovod sdist holding the files HOROVOD_PATCHES edits and the package's
+    __init__.py, but not the published one (so its sha256 differs from the pin)."""
     sdist = build_dir / f"horovod-{install.HOROVOD_VERSION}.tar.gz"
+    files = [(rel, f"cmake_minimum_required(VERSION 3.13)\n{old}\n") for rel, old, _new in install.HOROVOD_PATCHES]
     with tarfile.open(sdist, "w:gz") as tar:
-        for rel, old, _new in install.HOROVOD_PATCHES:
-            data = f"cmake_minimum_required(VERSION 3.13)\n{old}\n".encode()
+        for rel, text in [*files, ("horovod/__init__.py", f"__version__ = '{install.HOROVOD_VERSION}'\n")]:
+            data = text.encode()
             info = tarfile.TarInfo(f"horovod-{install.HOROVOD_VERSION}/{rel}")
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
@@ -236,6 +237,8 @@ def test_an_sdist_matching_the_pin_is_unpacked_and_patched_for_cxx17(install, tm
     for rel, old, new in install.HOROVOD_PATCHES:
         text = (src / rel).read_text()
         assert new in text and old not in text, rel
+    # the tag that ensure_horovod compares with an installed Horovod's
+    assert f'hvdtrain_patches = "{install.HOROVOD_PATCHES_TAG}"' in (src / "horovod" / "__init__.py").read_text()
 
 
 @pytest.mark.parametrize("has_filter", [True, False], ids=["python-3.12", "python-3.11.2"])
@@ -329,19 +332,23 @@ def test_the_real_probe_answers_on_this_interpreter(install):
 # ---------------------------------------------------------------- the wheel cache and the installed Horovod
 
 def horovod_set_up(install, tmp_path, monkeypatch, machine_flags: dict, installed: str | None,
-                   cached_tags: list[str]) -> list[str]:
+                   cached_tags: list[str], installed_patches: str | None = None) -> list[str]:
     """ensure_horovod on a machine whose build flags are `machine_flags`, with a Horovod of the
-    `installed` features (None: none importable) and cached wheels under these feature tags.
-    Returns what it did: the wheel it installed, or "build"."""
+    `installed` features (None: none importable) built with `installed_patches` (None: today's
+    HOROVOD_PATCHES), and cached wheels under these feature tags (each one followed by today's
+    patches tag unless it names its own). Returns what it did: the wheel folder it installed
+    from, or "build"."""
     cache = tmp_path / "cache"
     for tag in cached_tags:
-        wheel = cache / "wheels" / f"torch-{CPU_TORCH['version']}-{tag}" / "horovod-0.28.1-cp311-linux_x86_64.whl"
+        folder = tag if tag.count("-") > 1 else f"{tag}-{install.HOROVOD_PATCHES_TAG}"
+        wheel = cache / "wheels" / f"torch-{CPU_TORCH['version']}-{folder}" / "horovod-0.28.1-cp311-linux_x86_64.whl"
         wheel.parent.mkdir(parents=True)
         wheel.write_text("")
     done = []
+    says = None if installed is None else f"{installed} {installed_patches or install.HOROVOD_PATCHES_TAG}"
     monkeypatch.setattr(install, "torch_info", lambda python: CPU_TORCH)
     monkeypatch.setattr(install, "detect", lambda *a: machine_flags)
-    monkeypatch.setattr(install, "python_says", lambda python, code: installed if code == install.INSTALLED_FEATURES else None)
+    monkeypatch.setattr(install, "python_says", lambda python, code: says if code == install.INSTALLED_FEATURES else None)
 
     def build(*a):
         done.append("build")
@@ -361,20 +368,35 @@ GLOO_MPI = {"HOROVOD_WITH_GLOO": "1", "HOROVOD_WITH_MPI": "1"}
 GLOO_ONLY = {"HOROVOD_WITH_GLOO": "1", "HOROVOD_WITHOUT_MPI": "1"}
 
 
+def folder(install, features: str) -> str:
+    return f"torch-{CPU_TORCH['version']}-{features}-{install.HOROVOD_PATCHES_TAG}"
+
+
 def test_the_wheel_cache_key_covers_mpi(install, tmp_path, monkeypatch):
     """A Gloo-only wheel in the cache is not used on a machine that has Open MPI, and the other way round."""
     assert horovod_set_up(install, tmp_path / "a", monkeypatch, GLOO_MPI, None, ["gloo"]) == ["build"]
     assert horovod_set_up(install, tmp_path / "b", monkeypatch, GLOO_MPI, None, ["gloo", "gloo-mpi"]) == [
-        f"torch-{CPU_TORCH['version']}-gloo-mpi"]
+        folder(install, "gloo-mpi")]
     assert horovod_set_up(install, tmp_path / "c", monkeypatch, GLOO_ONLY, None, ["gloo", "gloo-mpi"]) == [
-        f"torch-{CPU_TORCH['version']}-gloo"]
+        folder(install, "gloo")]
 
 
 def test_an_installed_gloo_only_horovod_is_replaced_once_open_mpi_is_there(install, tmp_path, monkeypatch, capsys):
     assert horovod_set_up(install, tmp_path / "a", monkeypatch, GLOO_MPI, "gloo-mpi", []) == []
     assert "Horovod is installed (gloo-mpi)" in capsys.readouterr().out
     assert horovod_set_up(install, tmp_path / "b", monkeypatch, GLOO_MPI, "gloo", ["gloo-mpi"]) == [
-        f"torch-{CPU_TORCH['version']}-gloo-mpi"]
-    assert "has gloo, this machine can have gloo-mpi: replacing it" in capsys.readouterr().out
+        folder(install, "gloo-mpi")]
+    assert "has gloo with patches" in capsys.readouterr().out
     # A Horovod with more than this machine would build (MPI, but mpicxx not on PATH now) stays.
     assert horovod_set_up(install, tmp_path / "c", monkeypatch, GLOO_ONLY, "gloo-mpi", []) == []
+
+
+def test_a_horovod_built_with_other_patches_is_neither_kept_nor_reused(install, tmp_path, monkeypatch, capsys):
+    """The spinning wait (HOROVOD_PATCHES) is fixed only in a Horovod built with today's patches:
+    one installed by an earlier hvdtrain is replaced, and a wheel cached by it is not installed."""
+    earlier = "gloo-mpi-0123456789ab"
+    assert horovod_set_up(install, tmp_path / "a", monkeypatch, GLOO_MPI, "gloo-mpi", [earlier],
+                          installed_patches="unpatched") == ["build"]
+    assert "with patches unpatched" in capsys.readouterr().out
+    assert horovod_set_up(install, tmp_path / "b", monkeypatch, GLOO_MPI, "gloo-mpi", [earlier, "gloo-mpi"],
+                          installed_patches="0123456789ab") == [folder(install, "gloo-mpi")]
