@@ -28,8 +28,6 @@ CASES = [
      ["'parallel.expert_parallel'", "a divisor of model.experts (4)"]),
     (["model.arch=mixtral", "model.d_ff=172", "train.precision=bf16", "parallel.shard=optimizer"],
      ["'model.d_ff'", "a multiple of 8 (and model.d_model too) with model.arch mixtral"]),
-    (["model.arch=mixtral", "parallel.expert_parallel=2", "parallel.shard=full"],
-     ["'parallel.shard'", "'none', 'optimizer' or 'gradients' with parallel.expert_parallel > 1"]),
     (["model.arch=mixtral", "parallel.expert_parallel=2", "train.optimizer=lamb", "train.weight_decay=0.01"],
      ["'train.optimizer'", "'adamw' with parallel.expert_parallel > 1"]),
     (["model.arch=mixtral", "parallel.tensor_parallel=2"],

@@ -1,9 +1,9 @@
 """Expert parallelism (parallel.expert_parallel = e): each layer's experts split over the e ranks
 of an expert group, the tokens exchanged with Horovod's alltoall, through real horovodrun workers
 (Gloo, fp32, dropout 0). e=2 trains as one worker does, router loss, clipping and routing
-statistics included, with each rank holding its own experts only; a checkpoint written at e=2
-resumes at e=1 and one written at e=1 at e=2; the export is the whole model. (Bad input:
-test_errors.)"""
+statistics included, with each rank holding its own experts only, also with the weights fully
+sharded (parallel.shard full) over the copies holding them; a checkpoint written at e=2 resumes
+at e=1 and one written at e=1 at e=2; the export is the whole model. (Bad input: test_errors.)"""
 import json
 import subprocess
 import sys
@@ -93,7 +93,9 @@ def test_a_checkpoint_resumes_at_another_expert_parallel_size(tmp_path, tiny_con
 def test_a_rank_that_receives_no_tokens_takes_part_in_the_backward_exchange(dtype, sent, tolerance):
     """Split experts equal the whole module on each rank's tokens (output, the input's gradient,
     the experts' gradients summed over the group) when every token chooses rank 0's experts:
-    rank 1 receives nothing and still joins the group's backward alltoalls (else: a hang).
+    rank 1 receives nothing and still joins the group's backward alltoalls (else: a hang), and
+    its experts still get a gradient, zeros (else their hooks, which start their reductions
+    with the ranks holding the same experts, would not run: a hang when sharded).
     Under 16-bit autocast the hidden states travel in 16 bits (bf16 as its int16 bits), and the
     output and input gradient are the same numbers; the experts' gradients sum their tokens in
     another order (one matmul over both ranks' tokens)."""
@@ -104,6 +106,7 @@ def test_a_rank_that_receives_no_tokens_takes_part_in_the_backward_exchange(dtyp
     assert [r["received_nothing"] for r in results] == [False, True]
     for r in results:
         assert max(r["output"], r["input_grad"]) < 1e-5 and r["experts_grad"] < tolerance, r
+        assert r["without_grad"] == [], r
         assert r["sent"] == sorted([sent, "torch.int64"])
 
 
@@ -153,6 +156,21 @@ def test_the_timeline_share_sums_each_operation_from_its_submission_to_its_end(t
                                        "share": 0.7}
 
 
+def test_fully_sharded_weights_over_the_copies_of_each_expert(tmp_path, tiny_config):
+    """4 workers, e=2 x 2 copies, with parallel.shard=full: the dense weights themselves sharded
+    over all four and each expert weight over the two ranks holding it, every block gathered
+    (two allgathers: one per process set) as forward and backward reach it; to step 4, then
+    resumed at the same layout to 8: the one worker's losses, router loss, clipped norms and
+    weights (micro batches of 1 for all: the router loss is a micro batch's)."""
+    config = tiny_config({**MOE, "train": {**MOE["train"], "micro_batch_size": 1}})
+    one, split = tmp_path / "np1", tmp_path / "split"
+    train_workers(1, config, f"out_dir={one}")
+    for stop in (4, 8):
+        train_workers(4, config, f"out_dir={split}", "parallel.expert_parallel=2", "parallel.shard=full",
+                      f"train.stop_at_step={stop}", timeout=900)
+    assert_trains_as_one_worker(one, split)
+
+
 @pytest.mark.deep
 def test_sharded_optimizer_over_the_copies_of_each_expert(tmp_path, tiny_config):
     """4 workers, e=2 x 2 copies, with parallel.shard: the dense weights sharded over all four,
@@ -164,8 +182,13 @@ def test_sharded_optimizer_over_the_copies_of_each_expert(tmp_path, tiny_config)
     one, moved = tmp_path / "np1", tmp_path / "moved"
     train_workers(1, config, f"out_dir={one}")
     train_sharded_across_layouts(config, moved, "parallel.expert_parallel=2")
-    assert_same_losses(step_losses(one), step_losses(moved), min_steps=8)
-    for a, b in zip(read_metrics(one)[0], read_metrics(moved)[0]):
+    assert_trains_as_one_worker(one, moved)
+
+
+def assert_trains_as_one_worker(one, split):
+    """The same per-step losses, router loss and gradient norms (clipped), and exported weights."""
+    assert_same_losses(step_losses(one), step_losses(split), min_steps=8)
+    for a, b in zip(read_metrics(one)[0], read_metrics(split)[0]):
         assert a["aux_loss"] == pytest.approx(b["aux_loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4) and a["grad_norm"] > 0.5  # clipped
-    assert_same_params(exported(one), exported(moved), atol=1e-5)
+    assert_same_params(exported(one), exported(split), atol=1e-5)

@@ -646,14 +646,14 @@ def test_the_plan_balances_an_auto_split_on_its_flops():
 
 # ---------------------------------------------------------------- experts
 
-def olmoe_shaped(e: int, activation_checkpointing: bool = False):
+def olmoe_shaped(e: int, activation_checkpointing: bool = False, shard: str = "none"):
     """OLMoE-1B-7B's shape (recipes/olmoe-1b-7b.yaml): 16 layers x 2048, 64 experts of 1024, top-8."""
     return config_from_dict({
         "model": {"arch": "mixtral", "n_layer": 16, "n_head": 16, "d_model": 2048, "d_ff": 1024, "experts": 64,
                   "experts_per_token": 8, "activation_checkpointing": activation_checkpointing},
         "data": {"seq_len": 4096, "vocab_size": 50304},
         "train": {"micro_batch_size": 4, "global_batch_size": 1024, "precision": "bf16"},
-        "parallel": {"expert_parallel": e},
+        "parallel": {"expert_parallel": e, "shard": shard},
     })
 
 
@@ -676,6 +676,25 @@ def test_split_experts_leave_each_worker_its_share_and_an_alltoall():
     assert "Experts split over 8 workers" in planmod.format_plan(split)
     with pytest.raises(UserError, match="--gpus"):
         plan(olmoe_shaped(8), gpus=12)
+
+
+@pytest.mark.parametrize("level", ["optimizer", "full"])
+def test_sharded_split_experts_shard_each_expert_over_the_copies_holding_it(level):
+    """parallel.shard over 8 copies with e = 8: each dense weight sharded over all 8 workers, each
+    expert weight over the 8 / e = 1 worker holding it, so that a worker's optimizer state is the
+    whole model's 1/8, as at e = 1 (memory_bytes and stage_memory alike); with full the block
+    gathered whole holds the worker's 8 of each layer's 64 experts."""
+    whole, split = olmoe_shaped(1, shard=level), olmoe_shaped(8, shard=level)
+    state = "optimizer state (adamw, sharded 1/8)"
+    expected = memory_bytes(whole, 4, False, copies=8)["parts"][state]
+    assert memory_bytes(split, 4, False, copies=8)["parts"][state] == pytest.approx(expected, rel=1e-6)
+    (rank,) = stage_memory(split, 1, 4, False, copies=8)
+    assert rank["parts"][state] == pytest.approx(expected, rel=1e-6)
+    parts = planmod.parameter_parts(whole)
+    assert planmod.largest_unit_params(whole) == parts.layer
+    # the head with its 50304 x 2048 output matrix is now the largest unit: a layer is smaller
+    head = parts.head + 50304 * 2048
+    assert parts.layer - 56 * 3 * 2048 * 1024 < head == planmod.largest_unit_params(split)
 
 
 def test_one_stage_of_split_experts_is_the_plan_s_worker_and_its_slot_carries_the_alltoall():

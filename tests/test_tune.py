@@ -178,14 +178,13 @@ def test_the_candidates_are_the_layouts_the_plan_lets_fit_the_recipe_s_own_first
 
 def test_a_mixture_of_experts_is_also_tried_with_its_experts_split_over_the_copies():
     """mixtral-tiny (4 experts, 2 layers) on 2 workers: the layouts above at e=1, and at e=2 one
-    stage over the two copies at the sharding levels expert parallelism takes (not full), each
-    named with its e."""
+    stage over the two copies at every sharding level, each named with its e."""
     machine = tune.Machine(2, "H100", 0.9 * 80 * 2 ** 30, 100.0, 989.0)
     found = tune.fitting("recipes/mixtral-tiny.yaml", [], machine)
     split = [c.layout for c in found if c.layout["parallel.expert_parallel"] == 2]
     assert len(found) == 3 * 2 * (4 + 2 * 2) + len(split) and all(c.fits for c in found)
-    assert len(split) == 3 * 2 * 3 and {(s["parallel.pipeline_stages"], s["parallel.shard"]) for s in split} == {
-        (1, "none"), (1, "optimizer"), (1, "gradients")}
+    assert len(split) == 3 * 2 * 4 and {(s["parallel.pipeline_stages"], s["parallel.shard"]) for s in split} == {
+        (1, "none"), (1, "optimizer"), (1, "gradients"), (1, "full")}
     assert tune.layout_name(split[0]).startswith("e=2, 1 stage, micro")
 
 

@@ -106,9 +106,11 @@ class ExpertParallel:
         local_index = (received_experts - groups.rank * local).unsqueeze(1)
         outputs = super().forward(received, local_index, torch.ones_like(local_index, dtype=received.dtype))
         if not received.shape[0]:
-            # Nothing arrived: transformers returns zeros that autograd does not link to `received`,
-            # which would skip this rank's two backward alltoalls while its group waits in them.
-            outputs = received * 0
+            # Nothing arrived: transformers returns zeros that autograd links neither to `received`,
+            # which would skip this rank's two backward alltoalls while its group waits in them, nor
+            # to this rank's experts, whose gradients' reductions (started from their hooks) the
+            # ranks holding the same experts would wait in: zeros linked to both.
+            outputs = received * 0 + sum(weight.sum() for weight in self.parameters()) * 0
         # 4. Horovod: alltoall back to the senders (autograd), in the order they were sent
         returned, _ = exchange(outputs, received_splits, groups.group_set)
         weighted = returned * top_k_weights.flatten()[order].unsqueeze(1)

@@ -21,7 +21,8 @@ and the output projection, with a masked LM's transform). Module hooks on the un
                          `free_all` once the micro batch's backward (or an evaluation) is done
 
 A gather is one Horovod grouped allgather of the unit's master slices (async: its handle is
-kept until the unit is needed) in the parameters' dtype (sharded_optimizer.on_the_wire: bf16
+kept until the unit is needed; with expert parallelism two, the experts' weights gathered over
+the copies holding the same experts, the rest over all) in the parameters' dtype (sharded_optimizer.on_the_wire: bf16
 weights move 2 bytes a parameter), copied into the parameters. Freeing gives a parameter's
 storage back (`untyped_storage().resize_(0)`, as torch's first FSDP did): the tensors autograd
 saved for backward share that storage, so the next gather refills what they see. A parameter
@@ -139,7 +140,11 @@ def values(param: torch.nn.Parameter) -> torch.Tensor:
 class _Unit:
     def __init__(self, index: int, name: str, modules: list[torch.nn.Module], slices: list):
         self.index, self.name, self.modules, self.slices = index, name, modules, slices
-        self.handle = None      # its allgather, started and not yet waited for
+        # its slices by the Horovod process set of the copies they are sharded over: one gather each
+        self.by_copies = {}
+        for s in slices:
+            self.by_copies.setdefault(s.copies.process_set, []).append(s)
+        self.handles = []       # its allgathers, started and not yet waited for
         self.gathered = False   # its parameters hold their values (for this unit)
 
 
@@ -188,32 +193,34 @@ class ShardedWeights:
     # ------------------------------------------------------------ gather and free
 
     def _start(self, unit: _Unit):
-        if unit.gathered or unit.handle is not None:
+        if unit.gathered or unit.handles:
             return
-        # Horovod: grouped allgather of the unit's master slices, in the background
-        unit.handle = hvd.grouped_allgather_async([on_the_wire(s) for s in unit.slices],
-                                                  name=f"shard.unit.{unit.index}",
-                                                  process_set=self.optimizer.process_set)
+        for i, (process_set, slices) in enumerate(unit.by_copies.items()):
+            # Horovod: grouped allgather of the unit's master slices over their copies, in the background
+            unit.handles.append(hvd.grouped_allgather_async([on_the_wire(s) for s in slices],
+                                                            name=f"shard.unit.{unit.index}.{i}",
+                                                            process_set=process_set))
 
     @torch.no_grad()
     def _gather(self, unit: _Unit):
         if unit.gathered:
             return
         self._start(unit)
-        wholes = hvd.synchronize(unit.handle)  # Horovod: wait for the unit's allgather
-        unit.handle = None
-        for s, whole in zip(unit.slices, wholes):
-            if self.holders[id(s.param)] == 0:  # else another unit holds it, with the same values
-                data = values(s.param)
-                data.untyped_storage().resize_(data.numel() * data.element_size())
-                data.view(-1).copy_(off_the_wire(whole, data.dtype))
-            self.holders[id(s.param)] += 1
+        for slices, handle in zip(unit.by_copies.values(), unit.handles):
+            wholes = hvd.synchronize(handle)  # Horovod: wait for the unit's allgather
+            for s, whole in zip(slices, wholes):
+                if self.holders[id(s.param)] == 0:  # else another unit holds it, with the same values
+                    data = values(s.param)
+                    data.untyped_storage().resize_(data.numel() * data.element_size())
+                    data.view(-1).copy_(off_the_wire(whole, data.dtype))
+                self.holders[id(s.param)] += 1
+        unit.handles = []
         unit.gathered = True
 
     def _free(self, unit: _Unit):
-        if unit.handle is not None:  # a prefetch no one waited for: its result is dropped
-            hvd.synchronize(unit.handle)
-            unit.handle = None
+        for handle in unit.handles:  # a prefetch no one waited for: its result is dropped
+            hvd.synchronize(handle)
+        unit.handles = []
         if not unit.gathered:
             return
         for s in unit.slices:

@@ -22,7 +22,9 @@ Four estimates, each plain arithmetic on the config (no torch, no GPU):
    fusion buffer's worth, divided by d). "gradients" keeps only fp32 gradient slices 4/d
    (4 + 12/d, bf16 2 + 16/d) plus the full gradients in flight (a fusion buffer); "full" the
    master slices too (16/d) plus the units whole at a time (largest_unit_params) and one unit's
-   full gradients in flight (`fused_gradient_bytes`).
+   full gradients in flight (`fused_gradient_bytes`). With parallel.expert_parallel = e a
+   worker holds 1/e of the experts, each sharded over the d/e copies holding it: its 1/d
+   terms are of the dense weights and of all the model's experts.
 2. Step time on N GPUs from a measured 1-worker step time and a ring-allreduce model
    (`ring_allreduce_seconds`) overlapped with backward (`exposed_comm_seconds`).
 3. The micro batch and accumulation that keep a target global batch on N GPUs, or, when the
@@ -167,10 +169,13 @@ def loss_chunk_bytes(cfg, micro_batch: int) -> int:
     return chunk + grad_w + positions * cfg.model.d_model * elem
 
 
-def weight_state_bytes(cfg, n_params: int, matmul_params: float, copies: int = 1) -> dict:
+def weight_state_bytes(cfg, n_params: int, matmul_params: float, copies: int = 1, experts: int = 0) -> dict:
     """Bytes by component of the weights, gradients and optimizer state of `n_params`
     parameters (`matmul_params` of them in matmuls), as the module's notes count them, at
-    parallel.shard's level over `copies` data-parallel copies (hvdtrain.parallel.sharded_optimizer):
+    parallel.shard's level over `copies` data-parallel copies (hvdtrain.parallel.sharded_optimizer);
+    `experts` of them expert weights, which parallel.expert_parallel = e shards over the copies / e
+    holding the same experts (1/d of the dense weights and of all the model's experts: d / e
+    shards of each of the e ranks' experts):
 
         level       fp32 / fp16 (fp32 weights)      bf16 (bf16 weights, fp32 master slices)
         none        16 (+ autocast copies)           16 + autocast copies
@@ -192,6 +197,7 @@ def weight_state_bytes(cfg, n_params: int, matmul_params: float, copies: int = 1
         return parts
     in_flight = fused_gradient_bytes(cfg, n_params)
     sharded = f"sharded 1/{copies}"
+    per_copy = (n_params - experts) // copies + experts * cfg.parallel.expert_parallel // copies
     parts = {}
     if level == "full":
         # The units whole at a time (sharded_weights), in the weights' dtype: at a unit's hook
@@ -199,20 +205,20 @@ def weight_state_bytes(cfg, n_params: int, matmul_params: float, copies: int = 1
         # in, then the next one arriving.
         unit = min(largest_unit_params(cfg), n_params)
         parts["units in flight (full)"] = unit * 4 * (2 if bf16 else 4)
-        parts[f"master weights (fp32, {sharded})"] = 4 * n_params // copies
+        parts[f"master weights (fp32, {sharded})"] = 4 * per_copy
     elif bf16:
         parts["parameters (bf16)"] = 2 * n_params
-        parts[f"master weights (fp32, {sharded})"] = 4 * n_params // copies
+        parts[f"master weights (fp32, {sharded})"] = 4 * per_copy
     else:
         parts["parameters (fp32)"] = 4 * n_params  # the master slices are views into them
     if level == "optimizer":  # the step's gradients whole (bf16: summed in fp32), then their slices
         parts["gradients (fp32)"] = 4 * n_params
         parts[f"reduce-scatter outputs in flight (1/{copies} of a fusion buffer)"] = in_flight // copies
     else:  # every micro batch's gradients reduce-scattered into slices that accumulate
-        parts[f"gradient slices (fp32, {sharded})"] = 4 * n_params // copies
+        parts[f"gradient slices (fp32, {sharded})"] = 4 * per_copy
         batch = "one unit's" if level == "full" else "a fusion buffer"
         parts[f"full gradients in flight ({batch})"] = in_flight
-    parts[f"optimizer state ({opt}, {sharded})"] = 8 * n_params // copies
+    parts[f"optimizer state ({opt}, {sharded})"] = 8 * per_copy
     if cfg.train.precision == "fp16" and level != "full":
         parts["autocast 16-bit weight copies"] = 2 * int(matmul_params)
     return parts
@@ -240,10 +246,11 @@ def parameter_parts(cfg):
 
 def largest_unit_params(cfg) -> int:
     """Parameters of parallel.shard=full's largest unit (hvdtrain.parallel.sharded_weights.units_of):
-    a transformer layer (a worker's 1/t of it, with parallel.tensor_parallel = t), the embeddings,
-    or the head with its output matrix (tied or not)."""
-    parts = parameter_parts(cfg)
-    return max(parts.layer // cfg.parallel.tensor_parallel, parts.embeddings,
+    a transformer layer (a worker's 1/t of it, with parallel.tensor_parallel = t; its 1/e of the
+    experts with parallel.expert_parallel = e), the embeddings, or the head with its output
+    matrix (tied or not)."""
+    parts, e = parameter_parts(cfg), cfg.parallel.expert_parallel
+    return max((parts.layer - parts.experts * (e - 1) // e) // cfg.parallel.tensor_parallel, parts.embeddings,
                parts.head + cfg.data.vocab_size * cfg.model.d_model)
 
 
@@ -309,7 +316,8 @@ def memory_bytes(cfg, micro_batch: int, checkpointing: bool, sdpa: bool = True, 
     # the matmul weights a worker holds: with parallel.tensor_parallel = t, 1/t of each layer's
     split_off = cfg.model.n_layer * parameter_parts(cfg).layer * (cfg.parallel.tensor_parallel - 1)
     matmul = flops_params(**dims) - split_off // cfg.parallel.tensor_parallel
-    parts = weight_state_bytes(cfg, params_per_worker(cfg), matmul, copies)
+    experts = cfg.model.n_layer * parameter_parts(cfg).experts // cfg.parallel.expert_parallel
+    parts = weight_state_bytes(cfg, params_per_worker(cfg), matmul, copies, experts)
     parts.update({
         "activations": activation_bytes(cfg, micro_batch, checkpointing, sdpa),
         "logits and loss": loss_chunk_bytes(cfg, micro_batch),
@@ -572,7 +580,8 @@ def stage_memory(cfg, microbatches: int, micro_batch: int, checkpointing: bool, 
                 kept += boundary  # the stage's output, kept for its backward
             return kept
 
-        parts = weight_state_bytes(cfg, n_params, sum(matmul_weights[g] - split_off(g) for g in ids), copies)
+        parts = weight_state_bytes(cfg, n_params, sum(matmul_weights[g] - split_off(g) for g in ids), copies,
+                                   sum(counts[g]["layers"] * expert_params // e for g in ids))
         activations = k * max(per_micro_batch(g) for g in ids)
         if checkpointing and any(c["layers"] for c in mine):
             activations += one_layer

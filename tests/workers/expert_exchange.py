@@ -3,8 +3,9 @@ against the whole module, on each rank's own tokens, all of which choose rank 0'
 rank 1 receives nothing: its backward must still take part in the group's alltoalls. Under
 autocast (argv: float32 or bfloat16) the hidden states travel in its dtype. Prints one JSON line
 per rank: the largest differences of the output, the input's gradient and this rank's experts'
-gradients (summed over the ranks for the whole module) relative to their largest, and the
-dtypes the alltoalls sent (bf16 as int16: its bits)."""
+gradients (summed over the ranks for the whole module) relative to their largest, the experts'
+weights left without a gradient (rank 1's must have zeros), and the dtypes the alltoalls sent
+(bf16 as int16: its bits)."""
 import copy
 import json
 import sys
@@ -48,13 +49,16 @@ for module in (whole, split[0]):
     outputs.append(output)
     grads.append(hidden.grad)
 rows = slice(2 * groups.rank, 2 * groups.rank + 2)
-expert_error = 0.0
+expert_error, without_grad = 0.0, []
 for name, weight in whole.named_parameters():
     summed = hvd.allreduce(weight.grad, op=hvd.Sum, name=name)[rows]  # Horovod: the group's tokens' gradients
     mine = getattr(split[0], name).grad
-    difference = (summed - (torch.zeros_like(summed) if mine is None else mine)).abs().max()
-    expert_error = max(expert_error, (difference / summed.abs().max().clamp(min=1e-12)).item())
+    if mine is None:  # its gradient hooks (the reductions that start from them) would not have run
+        without_grad.append(name)
+        mine = torch.zeros_like(summed)
+    expert_error = max(expert_error, ((summed - mine).abs().max() / summed.abs().max().clamp(min=1e-12)).item())
 print("RESULT " + json.dumps({"rank": hvd.rank(), "output": (outputs[0] - outputs[1]).abs().max().item(),
                               "input_grad": (grads[0] - grads[1]).abs().max().item(), "experts_grad": expert_error,
+                              "without_grad": without_grad,
                               "received_nothing": groups.rank == 1, "sent": sorted(sent_dtypes)}), flush=True)
 groups.close()
