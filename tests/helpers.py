@@ -118,6 +118,15 @@ def train_sharded_across_layouts(config: Path, out_dir: Path, *split: str, worke
     train_workers(workers, config, f"out_dir={out_dir}", *split, "parallel.shard=gradients", timeout=900)
 
 
+def train_fully_sharded_with_a_resume(config: Path, out_dir: Path, *split: str):
+    """4 workers split by the overrides `split` with parallel.shard=full to step 4, then resumed
+    at the same layout to the end (train.max_steps): a run whose fully sharded checkpoint is
+    written and read."""
+    for stop in (4, None):
+        train_workers(4, config, f"out_dir={out_dir}", *split, "parallel.shard=full",
+                      *([f"train.stop_at_step={stop}"] if stop else []), timeout=900)
+
+
 def training_workers(out_dir) -> list[int]:
     """The pids of this run's training workers (python -m hvdtrain.cli train ... out_dir=...)."""
     import psutil

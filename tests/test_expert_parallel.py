@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import (REPO, WORKERS, assert_same_losses, assert_same_params, horovodrun, load_params, read_metrics,
-                     step_losses, train_sharded_across_layouts, train_workers)
+                     step_losses, train_fully_sharded_with_a_resume, train_sharded_across_layouts,
+                     train_workers)
 from hvdtrain.checkpointing import checkpoint
 from hvdtrain.parallel.expert_parallel import ExpertGroups, local_rows
 
@@ -165,9 +166,7 @@ def test_fully_sharded_weights_over_the_copies_of_each_expert(tmp_path, tiny_con
     config = tiny_config({**MOE, "train": {**MOE["train"], "micro_batch_size": 1}})
     one, split = tmp_path / "np1", tmp_path / "split"
     train_workers(1, config, f"out_dir={one}")
-    for stop in (4, 8):
-        train_workers(4, config, f"out_dir={split}", "parallel.expert_parallel=2", "parallel.shard=full",
-                      f"train.stop_at_step={stop}", timeout=900)
+    train_fully_sharded_with_a_resume(config, split, "parallel.expert_parallel=2")
     assert_trains_as_one_worker(one, split)
 
 
