@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from helpers import (REPO, WORKERS, assert_same_losses, assert_same_params, horovodrun, load_params, read_metrics,
@@ -168,6 +169,9 @@ def test_fully_sharded_weights_over_the_copies_of_each_expert(tmp_path, tiny_con
     train_workers(1, config, f"out_dir={one}")
     train_fully_sharded_with_a_resume(config, split, "parallel.expert_parallel=2")
     assert_trains_as_one_worker(one, split)
+    resolved = yaml.safe_load((split / "config.yaml").read_text())["resolved"]
+    assert resolved["optimizer"] == ("sharded (full) over 4 copies (the experts' weights over the 2 holding them) "
+                                     "(reduce-scatter, allgather)")
 
 
 @pytest.mark.deep

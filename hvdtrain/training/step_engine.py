@@ -453,9 +453,12 @@ class ShardedStep(PlainStep):
             self.weights.free_all()
 
     def describe(self):
+        opt = self.optimizer
+        fewer = sorted({s.copies.size for s in opt.slices} - {opt.size})  # the experts' weights' copies
         return {**self.layout_step.describe(),
-                "optimizer": f"sharded ({self.optimizer.level}) over {self.optimizer.size} copies "
-                             "(reduce-scatter, allgather)"}
+                "optimizer": f"sharded ({opt.level}) over {opt.size} copies"
+                             + "".join(f" (the experts' weights over the {n} holding them)" for n in fewer)
+                             + " (reduce-scatter, allgather)"}
 
     def close(self):
         if self.weights is not None:
