@@ -40,12 +40,13 @@ HOROVOD_BUILD_DEPS = ["numpy", "cloudpickle", "psutil", "pyyaml", "packaging", "
 REPO = Path(__file__).resolve().parent.parent
 
 # (file in the sdist, text to find, replacement): C++17 for torch>=2.1 headers, CUDA 17 for nvcc 12/13;
-# and a wait that stops spinning. hvd.synchronize (every DistributedOptimizer step) polls its handle
-# in a loop of sched_yield: a rank that waits for a slower one burns its core, so when workers share
-# cores (CPU jobs, more ranks than cores) the rank being waited for is starved of it. Patched, the
-# wait spins for its first 50 us as before (a GPU step's short waits keep their latency), then
-# sleeps 50 us between polls. Measured on 2 cores, 4 workers (t=2 x 2 copies, 8 tiny steps):
-# 46 s of steps before, 6 s after.
+# and a wait that can stop spinning. hvd.synchronize (every DistributedOptimizer step) polls its
+# handle in a loop of sched_yield: a rank that waits for a slower one burns its core, so when
+# workers share cores (CPU jobs, more ranks than cores) the rank being waited for is starved of it.
+# Patched, with HVDTRAIN_HOROVOD_SPIN_US set (hvdtrain sets 50 in CPU workers:
+# parallel/distributed.py), the wait spins that long, then sleeps 50 us between polls; unset, it
+# spins as upstream does (a GPU worker has its cores, and its many short waits keep their latency).
+# Measured on 2 cores, 4 workers (t=2 x 2 copies, 8 tiny steps): 46 s of steps spinning, 11 s not.
 HOROVOD_PATCHES = [
     ("CMakeLists.txt", "set(CMAKE_CXX_STANDARD 14)", "set(CMAKE_CXX_STANDARD 17)"),
     ("horovod/torch/CMakeLists.txt", "set(CMAKE_CXX_STANDARD 14)", "set(CMAKE_CXX_STANDARD 17)"),
@@ -58,22 +59,26 @@ HOROVOD_PATCHES = [
      "      py::gil_scoped_release release_python_gil;\n"
      "      std::this_thread::yield();\n",
      "void WaitAndClear(int handle) {\n"
+     "  static const char* spin_us_set = std::getenv(\"HVDTRAIN_HOROVOD_SPIN_US\");\n"
+     "  static const auto spin = std::chrono::microseconds(spin_us_set ? std::atol(spin_us_set) : 0);\n"
      "  const auto waiting_since = std::chrono::steady_clock::now();\n"
      "  while (true) {\n"
      "    if (handle_manager.PollHandle(handle)) break;\n"
      "    {\n"
      "      py::gil_scoped_release release_python_gil;\n"
-     "      if (std::chrono::steady_clock::now() - waiting_since < std::chrono::microseconds(50)) {\n"
+     "      if (!spin_us_set || std::chrono::steady_clock::now() - waiting_since < spin) {\n"
      "        std::this_thread::yield();\n"
      "      } else {\n"
      "        std::this_thread::sleep_for(std::chrono::microseconds(50));\n"
      "      }\n"),
 ]
-# Names the patches above: written into the built horovod/__init__.py and into the wheel cache's
-# folder name, so that a Horovod built with other patches is rebuilt, not reused.
-HOROVOD_PATCHES_TAG = hashlib.sha256(repr(HOROVOD_PATCHES).encode()).hexdigest()[:12]
 # gcc 13 no longer pulls these headers in transitively and Horovod forgot to include them.
 GCC13_INCLUDES = ["cstdint", "string", "stdexcept", "limits", "memory", "functional", "algorithm"]
+# Names what the build is made of: written into the built horovod/__init__.py and into the wheel
+# cache's folder name, so that a Horovod built from another source or with other patches is
+# rebuilt, not reused.
+HOROVOD_PATCHES_TAG = hashlib.sha256(
+    repr((HOROVOD_VERSION, HOROVOD_SHA256, HOROVOD_PATCHES, GCC13_INCLUDES)).encode()).hexdigest()[:12]
 
 
 def log(msg):
@@ -311,7 +316,7 @@ def ensure_horovod(python: Path, cache_dir: Path, jobs: int):
     flags = detect(python, torch, build_dir, dict(os.environ))
     installed = python_says(python, INSTALLED_FEATURES)
     if installed is not None:
-        features, patches = installed.split()
+        *_, features, patches = ["?", "?", *installed.split()]
         if set(feature_tag(flags).split("-")) <= set(features.split("-")) and patches == HOROVOD_PATCHES_TAG:
             log(f"Horovod is installed ({features}) and matches this torch and these patches")
             return

@@ -46,8 +46,9 @@ def write_config(path: Path, overrides: dict | None = None, base: dict = TINY) -
 
 
 # The test machine's cores are shared by all workers: Open MPI yields them while it waits
-# instead of spinning (as `hvdtrain launch` on one host does).
-SHARED_CORES = {"OMPI_MCA_mpi_yield_when_idle": "1"}
+# instead of spinning (as `hvdtrain launch` on one host does), and so does Horovod's wait in
+# hvd.synchronize (as hvdtrain's CPU workers set it) in the workers that call hvd.init themselves.
+SHARED_CORES = {"OMPI_MCA_mpi_yield_when_idle": "1", "HVDTRAIN_HOROVOD_SPIN_US": "50"}
 
 
 def command_env(env: dict | None) -> dict:

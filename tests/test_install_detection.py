@@ -400,3 +400,6 @@ def test_a_horovod_built_with_other_patches_is_neither_kept_nor_reused(install, 
     assert "with patches unpatched" in capsys.readouterr().out
     assert horovod_set_up(install, tmp_path / "b", monkeypatch, GLOO_MPI, "gloo-mpi", [earlier, "gloo-mpi"],
                           installed_patches="0123456789ab") == [folder(install, "gloo-mpi")]
+    # one built with neither Gloo nor MPI prints no features: replaced too
+    assert horovod_set_up(install, tmp_path / "c", monkeypatch, GLOO_MPI, "", ["gloo-mpi"]) == [
+        folder(install, "gloo-mpi")]

@@ -66,6 +66,11 @@ def horovod_env(cfg: Config) -> dict:
         # Gloo gives up on a worker that does not answer after 30 s, with an error that does not
         # say which: the stall watchdog (hvdtrain.training.run_guards) names it, so Gloo waits longer.
         env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(int(h.stall_timeout_s) + 60)
+    if not torch.cuda.is_available() and "HVDTRAIN_HOROVOD_SPIN_US" not in os.environ:
+        # CPU workers share the host's cores: a rank waiting in hvd.synchronize spins 50 us, then
+        # sleeps between polls, leaving its core to the rank it waits for (Horovod as
+        # scripts/install.py patches it; unset, as on GPUs, the wait spins).
+        env["HVDTRAIN_HOROVOD_SPIN_US"] = "50"
     if is_elastic_job() and "HOROVOD_CACHE_CAPACITY" not in os.environ:
         # Horovod's response cache goes out of step between the workers that lived through a
         # reset and one that joins: the next fused allreduce then has different sizes on two
