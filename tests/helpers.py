@@ -52,8 +52,10 @@ SHARED_CORES = {"OMPI_MCA_mpi_yield_when_idle": "1", "HVDTRAIN_HOROVOD_SPIN_US":
 
 
 def command_env(env: dict | None) -> dict:
-    """A command's environment: the tests' own, offline, cores shared, and `env` over it."""
-    return dict(os.environ, **OFFLINE, **SHARED_CORES, **(env or {}))
+    """A command's environment: the tests' own, offline, cores shared, and `env` over it (a
+    variable given as None: unset)."""
+    merged = {**os.environ, **OFFLINE, **SHARED_CORES, **(env or {})}
+    return {k: v for k, v in merged.items() if v is not None}
 
 
 def run_cmd(args: list, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:

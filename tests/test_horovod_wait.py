@@ -2,12 +2,10 @@
 workers), a rank waiting in hvd.synchronize stops spinning after that long and leaves its core to
 the others; unset (GPU workers), it spins as upstream Horovod does."""
 import re
-import sys
 
-import forked_horovodrun
 import pytest
 import torch
-from helpers import BIN, REPO, WORKERS, command_env
+from helpers import REPO, WORKERS, horovodrun
 
 from hvdtrain.config import load_config
 from hvdtrain.parallel.distributed import horovod_env
@@ -18,13 +16,8 @@ WAIT_S = 2.0
 def cpu_seconds_of_a_wait(spin_us: str | None) -> float:
     """The CPU time of rank 1's main thread while it waits WAIT_S for rank 0 in hvd.synchronize
     (2 real workers). Measured on 2 cores: 1.8-1.9 s spinning, 0.19 s with 50 us of spin."""
-    env = command_env(None)
-    env.pop("HVDTRAIN_HOROVOD_SPIN_US")
-    if spin_us is not None:
-        env["HVDTRAIN_HOROVOD_SPIN_US"] = spin_us
-    argv = [str(BIN / "horovodrun"), "-np", "2", "--gloo", sys.executable, str(WORKERS / "wait_in_synchronize.py"),
-            str(WAIT_S)]
-    proc = forked_horovodrun.run(argv, env, REPO, 120)
+    proc = horovodrun(2, [WORKERS / "wait_in_synchronize.py", WAIT_S], env={"HVDTRAIN_HOROVOD_SPIN_US": spin_us},
+                      timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     waited, cpu = map(float, re.search(r"waited ([\d.]+) s, cpu ([\d.]+) s", proc.stdout).groups())
     assert waited > WAIT_S / 2, proc.stdout
