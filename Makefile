@@ -23,7 +23,8 @@ train: setup
 test: setup
 	$(BIN)/python -m pytest -q -m "not deep" --durations=25 tests
 
-# The wider grids of each capability (layouts x levels x families), beyond make test's key cases;
+# The wider grids of each capability (layouts x levels x families) and the second real runs of
+# guarantees make test checks in another case (an mpi twin, one more precision), beyond its key cases;
 # set-up adds the `eval` extra (lm-evaluation-harness) that tests/test_lm_eval.py scores exports with.
 test-deep:
 	$(PYTHON) scripts/install.py --venv $(VENV) --extras test,eval $(SETUP_ARGS)

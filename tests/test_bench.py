@@ -34,6 +34,7 @@ def test_allreduce_rejects_a_bad_size():
     assert proc.returncode == 2 and "--sizes: '6'" in proc.stderr
 
 
+@pytest.mark.deep
 def test_scaling_table(tmp_path, tiny_config):
     out = tmp_path / "bench"
     proc = hvdtrain("bench", "scaling", tiny_config(), "--np", "1,2", "--steps", "6", "--log-every", "2",

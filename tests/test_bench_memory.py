@@ -52,6 +52,7 @@ def test_pipeline_stages_are_one_line_naming_bench_pipeline(tmp_path):
         "measures each stage's memory"], proc.stderr
 
 
+@pytest.mark.deep
 @pytest.mark.workers
 def test_a_failing_worker_shows_its_own_error_once(tmp_path):
     """Rank 1 raises at its first log point (a sitecustomize on the workers' path, which wraps the

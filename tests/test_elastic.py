@@ -128,6 +128,7 @@ def test_one_worker_stands_in_for_two_only_when_its_micro_batches_are_theirs(tmp
     assert gradient_sums(cfg, world, largest) == gradients
 
 
+@pytest.mark.deep
 def test_an_elastic_job_on_this_machine_alone_runs_without_naming_an_interface(tmp_path, tiny_config):
     """Horovod Elastic finds the network interface by testing between two hosts: a job on this
     machine alone waited silently for a second until --elastic-timeout (600 s), unless given
@@ -181,6 +182,7 @@ def test_an_added_host_joins_and_the_run_equals_a_single_worker(tmp_path, one_wo
     assert_same_params(load_params(straight, 0), load_params(out, 0), atol=1e-5)
 
 
+@pytest.mark.deep
 def test_a_host_added_before_the_runs_last_commit_leaves_its_checkpoint_and_pause(tmp_path, one_worker):
     """A host appears while a run paused at train.stop_at_step=6 takes its last steps (commits
     only at checkpoints): the checkpoint of step 6 is written and the run stops there, with no
@@ -339,6 +341,7 @@ def test_a_stuck_worker_says_where_and_leaves_and_the_other_finishes_like_a_sing
     assert_same_params(load_params(reference, 0), load_params(out, 0), atol=1e-5)
 
 
+@pytest.mark.deep
 @pytest.mark.workers
 def test_the_workers_of_an_elastic_launch_killed_with_its_process_group_stop_by_themselves(tmp_path, tiny_config):
     """`kill -9` of the launcher's process group (the fault campaign's finding: the guard died

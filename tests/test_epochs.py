@@ -28,6 +28,7 @@ def corpus(tmp_path_factory):
     return config, cache, folder / "one"
 
 
+@pytest.mark.deep
 def test_the_run_crosses_epochs_on_new_grids(corpus):
     config, cache, _ = corpus
     data = build_data(load_config(config, [cache]), seed=load_config(config).train.seed)

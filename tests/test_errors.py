@@ -180,6 +180,7 @@ def test_out_dir_that_is_a_file_is_refused(tmp_path, tiny_config):
     assert proc.returncode == 2 and "export folder" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.deep
 def test_a_checkpoint_write_that_fails_half_way_keeps_the_earlier_ones(tmp_path, tiny_config):
     """A file-size limit (as a full disk would) stops the step-6 checkpoint half way: one line,
     non-zero exit, no temporary folder left, and the step-4 checkpoint still resumes."""

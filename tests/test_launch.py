@@ -403,7 +403,7 @@ def test_the_workers_of_a_killed_launcher_stop_by_themselves(tmp_path, tiny_conf
 
 
 @pytest.mark.workers
-@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+@pytest.mark.parametrize("controller", ["gloo", pytest.param("mpi", marks=pytest.mark.deep)])
 def test_a_stop_signal_to_the_launcher_stops_the_workers_as_a_preemption(tmp_path, tiny_config, controller):
     """A scheduler's SIGTERM to `hvdtrain launch` reaches the workers: they agree on a step, write
     its checkpoint and stop, and the launcher says so and exits 75 (run the same command again).

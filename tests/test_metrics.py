@@ -83,6 +83,7 @@ def test_a_resume_keeps_the_records_of_the_steps_it_does_not_compute_again(tmp_p
     assert path.read_text() == "".join(json.dumps(line) + "\n" for line in (lines[4], lines[5], lines[9]))
 
 
+@pytest.mark.deep
 @pytest.mark.workers
 def test_a_resumed_run_shows_each_step_once(tmp_path, tiny_config):
     """Killed while writing the checkpoint of step 6 (every 3), the run resumes at step 3 and

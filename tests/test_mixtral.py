@@ -201,7 +201,7 @@ def test_two_pipeline_stages_train_as_one_worker(tmp_path, tiny_config):
 
 
 @pytest.mark.workers
-@pytest.mark.parametrize("shard", ["full", pytest.param("optimizer", marks=pytest.mark.deep)])
+@pytest.mark.parametrize("shard", [pytest.param(level, marks=pytest.mark.deep) for level in ("full", "optimizer")])
 def test_sharding_levels_train_like_plain_data_parallelism(tmp_path, tiny_config, shard):
     """The experts' 3D weights go through the sharded optimizer's slices (and, with "full",
     the gathered units) as any other parameter: the same losses and exported weights (with

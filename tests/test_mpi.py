@@ -30,6 +30,7 @@ def test_launch_mpi_two_workers_equal_one_worker(tmp_path, tiny_config):
     assert_same_losses(step_losses(one), step_losses(two))
 
 
+@pytest.mark.deep
 def test_plain_mpirun_stop_and_resume_equals_straight_run(tmp_path, tiny_config):
     """Stopped at step 4 and resumed, 2 workers under plain mpirun; the straight run is one
     process without a launcher (the global batch is fixed, so it is the same run)."""

@@ -95,6 +95,7 @@ def test_two_stages_times_two_copies_equal_two_copies(tmp_path, tiny_config):
     assert_close_params(load_params(dp2, 0), whole_model(grid, [0, 2]))
 
 
+@DEEP
 def test_the_start_up_line_gives_the_interleaved_bubble(tmp_path, tiny_config):
     """2 ranks x 2 stages each, 4 micro batches: (p-1)/(v·m+p-1) = 1/9, not 1F1B's 1/5."""
     proc = hvdtrain("launch", "-np", "2", tiny_config(PIPE), f"out_dir={tmp_path / 'run'}", "train.max_steps=1",
@@ -103,7 +104,7 @@ def test_the_start_up_line_gives_the_interleaved_bubble(tmp_path, tiny_config):
     assert "on stage 0 of 2 (interleaved1f1b, 4 micro batches per run, ideal bubble 11%," in proc.stdout, proc.stdout
 
 
-@pytest.mark.deep
+@DEEP
 def test_the_reduction_after_the_pipeline_takes_horovod_compression(tmp_path, tiny_config):
     """parallel.reduce_gradients=after with horovod.compression=fp16: the gradients travel as
     fp16, so the run differs from the uncompressed one, within fp16's rounding."""
@@ -118,6 +119,7 @@ def test_the_reduction_after_the_pipeline_takes_horovod_compression(tmp_path, ti
     assert_close_params(params["none"], params["fp16"], atol=1e-3)
 
 
+@DEEP
 def test_resume_with_another_layout_equals_a_straight_run(tmp_path, tiny_config):
     """Stop at step 4 with 2 stages, go on to 6 with one worker, then to 8 with 2 stages again."""
     config = tiny_config({**PIPE, "train": {**PIPE["train"], "max_steps": 8}, "checkpoint": {"every": 2}})

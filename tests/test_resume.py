@@ -154,6 +154,7 @@ def test_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes_before_it(tm
     assert_same_losses(step_losses(straight), step_losses(out), min_steps=STEPS)
 
 
+@pytest.mark.deep
 def test_horovod_timeline_and_autotune_log_land_in_a_new_run_folder(tmp_path, tiny_config):
     import json
     out = tmp_path / "run"
@@ -189,7 +190,8 @@ def assert_refused(proc, words: list[str]):
 ELASTIC_READY = {"train": {"max_steps": STEPS, "global_batch_size": 8}, "checkpoint": {"every": 2}}
 
 
-@pytest.mark.parametrize("launcher", ["plain", pytest.param("elastic", marks=pytest.mark.deep)])
+@pytest.mark.deep
+@pytest.mark.parametrize("launcher", ["plain", "elastic"])
 def test_resume_false_refuses_a_folder_with_a_live_run_and_touches_nothing(tmp_path, tiny_config, launcher):
     """The run in the folder is still going: its checkpoint of step 6 is being written. A plain
     and an elastic job refuse alike, before anything there is touched."""
@@ -206,7 +208,8 @@ def test_resume_false_refuses_a_folder_with_a_live_run_and_touches_nothing(tmp_p
     assert folder_bytes(out) == before
 
 
-@pytest.mark.parametrize("launcher", ["plain", pytest.param("elastic", marks=pytest.mark.deep)])
+@pytest.mark.deep
+@pytest.mark.parametrize("launcher", ["plain", "elastic"])
 def test_no_intact_checkpoint_is_refused_naming_what_was_set_aside(tmp_path, tiny_config, launcher):
     """Every checkpoint damaged: the run is not restarted at step 0 into the same metrics.jsonl;
     the same command says so again (the checkpoints stay set aside)."""
@@ -228,6 +231,7 @@ def test_no_intact_checkpoint_is_refused_naming_what_was_set_aside(tmp_path, tin
         assert folder_bytes(out / "hf") == exported and not checkpoint.list_checkpoints(out)
 
 
+@pytest.mark.deep
 def test_a_run_stopped_before_its_first_checkpoint_starts_again_at_step_0(tmp_path, tiny_config):
     """A requeued job killed before its first checkpoint (its metrics.jsonl and a half-written
     checkpoint are there): the same command starts it again from step 0, saying so, and the run

@@ -56,7 +56,7 @@ def test_a_stop_signal_during_the_set_up_stops_the_run_after_its_first_step(tmp_
     assert checkpoint.newest_intact_checkpoint(out).name == "step_00000001"
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])  # fp16: the grad scaler skips it, the guard counts it
+@pytest.mark.parametrize("precision", [pytest.param("fp32", marks=pytest.mark.deep), "fp16"])  # fp16: the grad scaler skips it, the guard counts it
 def test_a_non_finite_step_is_skipped_and_counted(tmp_path, tiny_config, precision):
     config = tiny_config({"train": {"max_steps": 6, "precision": precision}})
     out = tmp_path / "run"
@@ -85,6 +85,7 @@ def test_too_many_non_finite_steps_in_a_row_stop_the_run(tmp_path, tiny_config, 
         assert all(bool(t.isfinite().all()) for t in load_file(str(path / "model.safetensors")).values())
 
 
+@pytest.mark.deep
 def test_a_streak_between_two_log_points_stops_the_run_where_it_reaches_the_limit(tmp_path, tiny_config):
     """Steps 3, 4, 5 are not finite, step 6 is again: with log points at 4 and 8 neither sees 3
     in a row, yet the run stops after step 5 on every rank (a rank that went on would hang in

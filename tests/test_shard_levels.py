@@ -64,6 +64,7 @@ def test_a_level_equals_unsharded_and_one_worker(tmp_path, references, level):
         assert all(torch.equal(v, load_params(run, 1)[k]) for k, v in params.items())
 
 
+@pytest.mark.deep
 @pytest.mark.workers
 def test_full_sharding_resumed_by_the_optimizer_level_on_one_worker_equals_a_straight_run(tmp_path, references):
     """Each of 2 ranks writes its slices at step 5; one worker reads them all (parallel.shard=

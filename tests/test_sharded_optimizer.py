@@ -89,6 +89,7 @@ def test_a_backward_that_outruns_its_reduce_scatters_waits_for_them(tiny_config)
     assert fast["unlimited"] > 2 * fast["limit"], fast  # without the limit the fast rank runs ahead
 
 
+@pytest.mark.deep
 @pytest.mark.workers
 def test_bf16_computes_in_bf16_weights_with_fp32_masters_within_bf16_tolerance(tmp_path, tiny_config):
     """The sharded bf16 run's model holds bf16 weights (the fp32 masters are sharded), its
@@ -133,7 +134,7 @@ def test_two_stages_times_two_sharded_copies_equal_the_unsharded_grid(tmp_path, 
 
 
 @pytest.mark.workers
-@pytest.mark.parametrize("precision,optimizer", [("fp16", "adamw"), pytest.param("fp16", "lamb", marks=pytest.mark.deep),
+@pytest.mark.parametrize("precision,optimizer", [pytest.param("fp16", "adamw", marks=pytest.mark.deep), pytest.param("fp16", "lamb", marks=pytest.mark.deep),
                                                        ("fp32", "adamw")])
 def test_a_step_only_one_ranks_slices_find_non_finite_is_skipped_on_every_rank(tmp_path, tiny_config, precision,
                                                                                 optimizer):

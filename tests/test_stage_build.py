@@ -274,6 +274,7 @@ def test_two_stages_start_from_the_weights_of_one_worker(tmp_path, arch):
     assert set(stages[0]) | set(stages[1]) == set(reference)
 
 
+@pytest.mark.deep
 @pytest.mark.workers
 def test_two_stages_load_a_sharded_pretrained_folder_as_transformers_does(tmp_path):
     folder = save_sharded(tmp_path / "model", "gpt2")
@@ -286,6 +287,7 @@ def test_two_stages_load_a_sharded_pretrained_folder_as_transformers_does(tmp_pa
 
 
 
+@pytest.mark.deep
 @pytest.mark.workers
 def test_startup_peaks_measure_each_pipeline_position_in_a_fresh_process(tmp_path):
     """What `hvdtrain bench memory` reports: 8 layers x 512 (101 MB), each position built alone."""

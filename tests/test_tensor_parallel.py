@@ -169,6 +169,7 @@ def test_sharded_optimizer_over_the_copies_of_each_slice(tmp_path, tiny_config):
     assert_trains_as_one_worker(one, moved)
 
 
+@pytest.mark.deep
 def test_fully_sharded_weights_over_the_copies_of_each_slice(tmp_path, tiny_config):
     """t=2 x 2 copies (4 workers) with parallel.shard=full: each rank's slices of the weights
     themselves sharded over the two copies holding them, gathered unit by unit as forward and

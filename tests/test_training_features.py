@@ -11,7 +11,7 @@ from helpers import read_metrics, step_losses, train_workers
 pytestmark = pytest.mark.workers
 
 
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("precision", ["fp16", pytest.param("bf16", marks=pytest.mark.deep)])
 def test_mixed_precision_with_clipping_on_uneven_data(tmp_path, tiny_config, precision):
     """37 samples and a global batch of 8: epochs end mid-batch, every rank still runs every
     step (no deadlock, the run ends within the timeout)."""

@@ -104,6 +104,7 @@ def tune_where_rank_one(tmp_path, shard: str, action: str, *options) -> tuple[li
     return records(out), proc.stdout, out
 
 
+@pytest.mark.deep
 @pytest.mark.workers
 def test_a_trial_that_runs_out_of_memory_is_recorded_and_tune_goes_on(tmp_path):
     """The recipe's own layout runs out of memory on rank 1 (torch's OutOfMemoryError): recorded as

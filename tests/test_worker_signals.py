@@ -132,6 +132,7 @@ def test_a_stop_signal_without_ranks_stops_sshd_at_once(tmp_path):
     assert "ranks here: none" in (tmp_path / "worker.err").read_text() and "sshd: SIGTERM" in (tmp_path / "log").read_text()
 
 
+@pytest.mark.deep
 @pytest.mark.workers
 def test_sigterm_to_the_worker_checkpoints_real_ranks_started_by_horovodrun(tmp_path, tiny_config):
     """As a worker pod whose ranks a launcher started: 2 real ranks (`python -m hvdtrain.cli train`
