@@ -97,7 +97,9 @@ def test_a_rank_that_receives_no_tokens_takes_part_in_the_backward_exchange(dtyp
     the experts' gradients summed over the group) when every token chooses rank 0's experts:
     rank 1 receives nothing and still joins the group's backward alltoalls (else: a hang), and
     its experts still get a gradient, zeros (else their hooks, which start their reductions
-    with the ranks holding the same experts, would not run: a hang when sharded).
+    with the ranks holding the same experts, would not run: a hang when sharded). Rank 0 runs
+    one Horovod collective more before it: every alltoall, backward's too, is named after its
+    layer (unnamed, Horovod's names would differ between the ranks: a hang).
     Under 16-bit autocast the hidden states travel in 16 bits (bf16 as its int16 bits), and the
     output and input gradient are the same numbers; the experts' gradients sum their tokens in
     another order (one matmul over both ranks' tokens)."""
@@ -110,6 +112,8 @@ def test_a_rank_that_receives_no_tokens_takes_part_in_the_backward_exchange(dtyp
         assert max(r["output"], r["input_grad"]) < 1e-5 and r["experts_grad"] < tolerance, r
         assert r["without_grad"] == [], r
         assert r["sent"] == sorted([sent, "torch.int64"])
+        assert r["names"] == [f"experts.0.{what}" for what in ("experts", "results", "results.backward", "tokens",
+                                                               "tokens.backward")], r
 
 
 def test_a_rank_reads_only_its_experts_rows_of_a_checkpoint(tmp_path):

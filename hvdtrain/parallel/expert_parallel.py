@@ -19,8 +19,10 @@ In each layer's forward (ExpertParallel.forward), per micro batch:
     3. transformers' own experts module, cut to this rank's experts, runs what arrived
     4. hvd.alltoall back (the splits reversed); weighted by the router and summed per token
 
-Horovod's alltoall is differentiable (its backward is the reverse alltoall), so backward needs
-nothing more. Each gradient's allreduce starts as soon as backward has made it
+Each exchange is an autograd function (`exchange`) whose backward is the reverse alltoall, so
+backward needs nothing more. Every alltoall is named after its layer (Horovod matches a
+collective across its ranks by name; an unnamed one is named by a count of this process's
+collectives, which ranks that ran others, on other process sets, would not share). Each gradient's allreduce starts as soon as backward has made it
 (gradient_reduction, for ExpertParallelStep in hvdtrain.training.step_engine); a checkpoint holds every expert
 under its name, its rows written by the ranks of the first group (write_part), so that it loads
 at any e, and the Hugging Face export reads it as it reads any other.
@@ -80,10 +82,11 @@ class ExpertParallel:
     swaps the module's class as torch's fully_shard does, so that its parameters keep their
     names. Its weights are this rank's rows; `num_experts` counts them."""
     expert_groups: ExpertGroups
+    exchange_name: str  # the module's name in the model, which names its alltoalls
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        groups, local = self.expert_groups, self.num_experts
+        groups, local, name = self.expert_groups, self.num_experts, self.exchange_name
         k = top_k_index.shape[1]
         # 1. the (token, expert) pairs sorted by expert, so by rank; how many go to each rank.
         #    A pair of weight 0 (a capacity factor dropped it) would add nothing: it stays.
@@ -100,8 +103,9 @@ class ExpertParallel:
         if torch.is_autocast_enabled(sent.device.type):
             sent = sent.to(torch.get_autocast_dtype(sent.device.type))
         # 2. Horovod: alltoall of the pairs' expert numbers, then (autograd) of their hidden states
-        received_experts, _ = hvd.alltoall(sent_experts, splits=splits, process_set=groups.group_set)
-        received, received_splits = exchange(sent, splits, groups.group_set)
+        received_experts, _ = hvd.alltoall(sent_experts, splits=splits, name=f"{name}.experts",
+                                           process_set=groups.group_set)
+        received, received_splits = exchange(sent, splits, groups.group_set, f"{name}.tokens")
         # 3. this rank's experts, each row to its own one, weighted later by the sender
         local_index = (received_experts - groups.rank * local).unsqueeze(1)
         outputs = super().forward(received, local_index, torch.ones_like(local_index, dtype=received.dtype))
@@ -112,35 +116,39 @@ class ExpertParallel:
             # ranks holding the same experts would wait in: zeros linked to both.
             outputs = received * 0 + sum(weight.sum() for weight in self.parameters()) * 0
         # 4. Horovod: alltoall back to the senders (autograd), in the order they were sent
-        returned, _ = exchange(outputs, received_splits, groups.group_set)
+        returned, _ = exchange(outputs, received_splits, groups.group_set, f"{name}.results")
         weighted = returned * top_k_weights.flatten()[order].unsqueeze(1)
         return torch.zeros_like(hidden_states).index_add_(0, token, weighted.to(hidden_states.dtype))
 
 
-def exchange(tensor: torch.Tensor, splits: torch.Tensor, process_set) -> tuple[torch.Tensor, torch.Tensor]:
+def exchange(tensor: torch.Tensor, splits: torch.Tensor, process_set, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Horovod's alltoall (autograd: backward sends the gradients back the same way): the rows
     of `tensor`, splits[i] of them to the group's rank i; (what arrived, its splits)."""
-    if tensor.dtype == torch.bfloat16:
-        return BFloat16Exchange.apply(tensor, splits, process_set)
-    return hvd.alltoall(tensor, splits=splits, process_set=process_set)
+    return Exchange.apply(tensor, splits, process_set, name)
 
 
-class BFloat16Exchange(torch.autograd.Function):
-    """hvd.alltoall of a bf16 tensor, which Horovod's PyTorch types do not include: its bits sent
-    as int16 (the same bytes), forward and, with the splits reversed, backward."""
+class Exchange(torch.autograd.Function):
+    """hvd.alltoall named `name` forward and `name`.backward backward, with the splits reversed
+    (Horovod's own autograd alltoall names only its forward). bf16, which Horovod's PyTorch
+    types do not include, travels as its bits, int16 (the same bytes)."""
 
     @staticmethod
-    def forward(ctx, tensor, splits, process_set):
-        received, received_splits = hvd.alltoall(tensor.view(torch.int16), splits=splits, process_set=process_set)
-        ctx.received_splits, ctx.process_set = received_splits, process_set
+    def forward(ctx, tensor, splits, process_set, name):
+        received, received_splits = hvd.alltoall(as_sent(tensor), splits=splits, name=name, process_set=process_set)
+        ctx.received_splits, ctx.process_set, ctx.name, ctx.dtype = received_splits, process_set, name, tensor.dtype
         ctx.mark_non_differentiable(received_splits)
-        return received.view(torch.bfloat16), received_splits
+        return received.view(tensor.dtype), received_splits
 
     @staticmethod
     def backward(ctx, grad, _):
-        sent_back, _ = hvd.alltoall(grad.contiguous().view(torch.int16), splits=ctx.received_splits,
+        sent_back, _ = hvd.alltoall(as_sent(grad.contiguous()), splits=ctx.received_splits, name=f"{ctx.name}.backward",
                                     process_set=ctx.process_set)
-        return sent_back.view(torch.bfloat16), None, None
+        return sent_back.view(ctx.dtype), None, None, None
+
+
+def as_sent(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in a type Horovod sends: bf16 as its int16 bits."""
+    return tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
 
 
 @functools.cache
@@ -152,7 +160,7 @@ def expert_parallel_class(cls: type) -> type:
 def split_experts(model: torch.nn.Module, is_experts, groups: ExpertGroups):
     """Keep this rank's experts of every experts module of `model` (`is_experts(module)`: the
     family's ModelParts.is_experts), whose weights are real and the same on every rank."""
-    for module in model.modules():
+    for module_name, module in model.named_modules():
         if not is_experts(module):
             continue
         if module.num_experts % groups.size:
@@ -163,7 +171,7 @@ def split_experts(model: torch.nn.Module, is_experts, groups: ExpertGroups):
         for name, weight in list(module.named_parameters(recurse=False)):
             setattr(module, name, torch.nn.Parameter(weight.detach()[first:first + local].clone()))
         module.num_experts = local
-        module.expert_groups = groups
+        module.expert_groups, module.exchange_name = groups, f"experts.{module_name}"
         module.__class__ = expert_parallel_class(type(module))
 
 

@@ -4,8 +4,10 @@ rank 1 receives nothing: its backward must still take part in the group's alltoa
 autocast (argv: float32 or bfloat16) the hidden states travel in its dtype. Prints one JSON line
 per rank: the largest differences of the output, the input's gradient and this rank's experts'
 gradients (summed over the ranks for the whole module) relative to their largest, the experts'
-weights left without a gradient (rank 1's must have zeros), and the dtypes the alltoalls sent
-(bf16 as int16: its bits)."""
+weights left without a gradient (rank 1's must have zeros), and the dtypes and names of the
+alltoalls sent (bf16 as int16: its bits). Rank 0 runs one Horovod collective more than rank 1
+before the exchange, as ranks with other process sets do: an unnamed alltoall, which Horovod
+names by a count of the process's collectives, would then wait for a name the other never sends."""
 import copy
 import json
 import sys
@@ -18,11 +20,12 @@ from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 from hvdtrain.parallel.expert_parallel import open_expert_groups, split_experts
 
 dtype = getattr(torch, sys.argv[1])
-sent_dtypes, alltoall = set(), hvd.alltoall
+sent_dtypes, names, alltoall = set(), set(), hvd.alltoall
 
 
 def recorded_alltoall(tensor, **kw):
     sent_dtypes.add(str(tensor.dtype))
+    names.add(kw.get("name"))
     return alltoall(tensor, **kw)
 
 
@@ -35,6 +38,8 @@ for weight in whole.parameters():
     torch.nn.init.normal_(weight, std=0.3)
 split = torch.nn.Sequential(copy.deepcopy(whole))
 split_experts(split, lambda module: isinstance(module, MixtralExperts), groups)
+if hvd.rank() == 0:  # Horovod: a collective rank 1 does not run, over the ranks holding rank 0's experts (rank 0)
+    hvd.allreduce(torch.zeros(1), process_set=groups.same_experts_set)
 
 torch.manual_seed(1 + hvd.rank())  # each rank its own tokens, every one choosing experts 0 and 1
 tokens = torch.randn(6, 8)
@@ -60,5 +65,6 @@ for name, weight in whole.named_parameters():
 print("RESULT " + json.dumps({"rank": hvd.rank(), "output": (outputs[0] - outputs[1]).abs().max().item(),
                               "input_grad": (grads[0] - grads[1]).abs().max().item(), "experts_grad": expert_error,
                               "without_grad": without_grad,
-                              "received_nothing": groups.rank == 1, "sent": sorted(sent_dtypes)}), flush=True)
+                              "received_nothing": groups.rank == 1, "sent": sorted(sent_dtypes),
+                              "names": sorted(map(str, names))}), flush=True)
 groups.close()
