@@ -245,6 +245,24 @@ def test_a_rank_of_two_stages_builds_with_half_the_host_memory(tmp_path):
 
 
 @pytest.mark.workers
+def test_a_rank_of_two_expert_groups_builds_with_its_experts_and_one_layer_s_whole(tmp_path):
+    """Mixtral, 8 layers of 8 experts of 512 x 1024 (403 MB of fp32 expert weights, the rest
+    small), e=2: a rank makes one layer's experts whole at a time and keeps its half of them, so
+    its peak rises by what it keeps plus one layer's experts, not by the whole model."""
+    config = write_config(tmp_path / "config.yaml", {
+        "model": {"arch": "mixtral", "n_layer": 8, "n_head": 8, "n_kv_head": 8, "d_model": 512, "d_ff": 1024,
+                  "experts": 8, "experts_per_token": 2}, "train": {"grad_accum": 4}})
+    [one] = build_workers(1, config, tmp_path / "e1", memory_only=True)
+    two = build_workers(2, config, tmp_path / "e2", "parallel.expert_parallel=2", memory_only=True)
+    layer_experts = 8 * 3 * 1024 * 512 * 4
+    assert one["weights"] > 8 * layer_experts and one["peak_rise"] > 0.9 * one["weights"]  # the weights dominate
+    overhead = 0.1 * one["peak_rise"]  # allocator and interpreter: not the weights
+    for rank in two:
+        assert abs(rank["weights"] - (one["weights"] - 4 * layer_experts)) < 0.01 * one["weights"], (one, two)
+        assert rank["peak_rise"] < rank["weights"] + layer_experts + overhead, (one, two)
+
+
+@pytest.mark.workers
 def test_a_fully_sharded_copy_builds_with_its_share_of_the_host_memory(tmp_path):
     """parallel.shard=full at d=2, 16 layers x 1024 (808 MB of fp32 weights): a copy makes one
     unit real at a time and keeps its half of the fp32 masters, so its peak rises by about half

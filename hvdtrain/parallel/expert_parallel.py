@@ -157,22 +157,48 @@ def expert_parallel_class(cls: type) -> type:
     return type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), {})
 
 
+def build_own_experts(blueprint, model: torch.nn.Module, is_experts, groups: ExpertGroups):
+    """Make `model` (a model_build.Blueprint's, its parameters on the meta device) real with
+    this rank's experts only: the weights of one experts module at a time made whole on the
+    host (Blueprint.materialise's groups, which give them the values the whole model's build
+    does) and cut to this rank's rows before the next module's are made, so that at most one
+    layer's experts are ever whole, not the model's; then split_experts."""
+    def keep_own_rows(weights):
+        for weight in weights:
+            weight.data = own_rows(weight.data, groups)
+    modules = experts_modules(model, is_experts, groups)
+    blueprint.materialise(model, [list(module.parameters(recurse=False)) for _, module in modules], keep_own_rows)
+    split_experts(model, is_experts, groups)
+
+
 def split_experts(model: torch.nn.Module, is_experts, groups: ExpertGroups):
     """Keep this rank's experts of every experts module of `model` (`is_experts(module)`: the
-    family's ModelParts.is_experts), whose weights are real and the same on every rank."""
-    for module_name, module in model.named_modules():
-        if not is_experts(module):
-            continue
+    family's ModelParts.is_experts), whose weights are real and the same on every rank (or
+    already cut to this rank's rows: build_own_experts)."""
+    for module_name, module in experts_modules(model, is_experts, groups):
+        for name, weight in list(module.named_parameters(recurse=False)):
+            if weight.shape[0] == module.num_experts:  # whole
+                setattr(module, name, torch.nn.Parameter(own_rows(weight, groups)))
+        module.num_experts //= groups.size
+        module.expert_groups, module.exchange_name = groups, f"experts.{module_name}"
+        module.__class__ = expert_parallel_class(type(module))
+
+
+def experts_modules(model: torch.nn.Module, is_experts, groups: ExpertGroups) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of every experts module of `model`; a one-line error where e does not
+    divide its experts."""
+    found = [(name, module) for name, module in model.named_modules() if is_experts(module)]
+    for _, module in found:
         if module.num_experts % groups.size:
             raise UserError(f"config key 'parallel.expert_parallel': {groups.size} does not divide the "
                             f"{module.num_experts} experts of each layer (model.experts)")
-        local = module.num_experts // groups.size
-        first = groups.rank * local
-        for name, weight in list(module.named_parameters(recurse=False)):
-            setattr(module, name, torch.nn.Parameter(weight.detach()[first:first + local].clone()))
-        module.num_experts = local
-        module.expert_groups, module.exchange_name = groups, f"experts.{module_name}"
-        module.__class__ = expert_parallel_class(type(module))
+    return found
+
+
+def own_rows(weight: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+    """This rank's experts' rows (a copy) of a whole expert weight, whose rows are its experts."""
+    local = weight.shape[0] // groups.size
+    return weight.detach()[groups.rank * local:(groups.rank + 1) * local].clone()
 
 
 def expert_weight_names(model: torch.nn.Module) -> set[str]:

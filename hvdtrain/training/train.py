@@ -212,13 +212,13 @@ def build_model_and_optimizer(cfg: Config, data: DataBundle, device, grad_accum:
     blueprint, model, aliases = stage_blueprint(cfg, data, layout, bounds)
     compute_dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
     masters = None
-    if par.shard != "none" and tensor_groups is None and expert_groups is None:  # made real a unit at a time,
-        # each put where training keeps it (its slices); split layers or experts: made whole, then split
+    if expert_groups is not None:  # one layer's experts whole at a time on the host, this rank's kept
+        expert_parallel.build_own_experts(blueprint, model, family_of(model).modeling().PARTS.is_experts, expert_groups)
+    elif par.shard != "none" and tensor_groups is None:  # made real a unit at a time,
+        # each put where training keeps it (its slices); split layers: made whole, then split
         masters = materialise_slices(blueprint, model, shard, shards, compute_dtype, device, par.shard)
     else:  # only now real: initialised per module, or read from model.pretrained
         blueprint.materialise(model)
-    if expert_groups is not None:  # every rank made every expert alike; this rank's are kept
-        expert_parallel.split_experts(model, family_of(model).modeling().PARTS.is_experts, expert_groups)
     model.to(device)
     if tensor_groups is not None:  # every rank made whole layers alike; this rank's slices are kept
         tensor_parallel.parallelize(model, tensor_groups)

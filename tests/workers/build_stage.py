@@ -1,5 +1,5 @@
 """Test worker: build this rank's model as `hvdtrain train` does (train.build_model_and_optimizer:
-the whole model, or its pipeline stage), then write OUT_DIR/build_rank{R}.json with the rise of
+the whole model, its pipeline stage, or with its experts split), then write OUT_DIR/build_rank{R}.json with the rise of
 the process's peak resident set while building (model_build.PeakRise), the bytes of the weights
 it built and of a sharded optimizer's master slices, and (unless the first argument is `--memory-only`) the built weights as
 OUT_DIR/params_rank{R}.safetensors.
@@ -12,7 +12,7 @@ from pathlib import Path
 import transformers
 from safetensors.torch import save_file
 
-from hvdtrain.parallel import distributed, parallel_dims
+from hvdtrain.parallel import distributed, expert_parallel, parallel_dims
 from hvdtrain.config import load_config, resolve_batch
 from hvdtrain.models.model_build import PeakRise
 from hvdtrain.training.train import build_model_and_optimizer, check_data
@@ -29,12 +29,15 @@ if par.pipeline_stages > 1:
     layout = parallel_dims.layout_for(world.rank, world.size, par.pipeline_stages, par.stages_per_rank)
     groups = parallel_dims.open_groups(layout, "gloo")
     shards = layout.dp
+expert_groups = (expert_parallel.open_expert_groups(world.rank, world.size, par.expert_parallel)
+                 if par.expert_parallel > 1 else None)
 data = check_data(cfg, world, shards, global_batch, grad_accum)
-transformers.GPT2LMHeadModel, transformers.BertForMaskedLM  # noqa: B018 (imported now, not while measured)
+transformers.GPT2LMHeadModel, transformers.BertForMaskedLM, transformers.MixtralForCausalLM  # noqa: B018 (imported now, not while measured)
 
 with PeakRise() as peak:
     model, optimizer = build_model_and_optimizer(cfg, data, world.device, grad_accum, shards, layout, groups,
-                                                 shard=layout.dp_rank if layout else world.rank)[:2]
+                                                 shard=layout.dp_rank if layout else world.rank,
+                                                 expert_groups=expert_groups)[:2]
 
 out = Path(cfg.out_dir)
 out.mkdir(parents=True, exist_ok=True)
@@ -49,3 +52,5 @@ if not memory_only:  # clones: safetensors refuses the two names of one tied ten
     save_file({k: v.detach().clone() for k, v in state.items()}, str(out / f"params_rank{world.rank}.safetensors"))
 if groups is not None:
     groups.close()
+if expert_groups is not None:
+    expert_groups.close()
