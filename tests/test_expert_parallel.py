@@ -89,6 +89,21 @@ def test_a_checkpoint_resumes_at_another_expert_parallel_size(tmp_path, tiny_con
     assert_same_params(exported(straight), exported(moved), atol=1e-5)
 
 
+@pytest.mark.deep
+def test_continued_pretraining_of_an_exported_mixture_with_its_experts_split(tmp_path, tiny_config):
+    """A one-worker run's export as model.pretrained: 2 workers at e=2 (each reading its experts'
+    rows of the folder as it builds them, one layer at a time) train as 2 workers at e=1."""
+    config = tiny_config(MOE)
+    first = tmp_path / "first"
+    train_workers(1, config, f"out_dir={first}", "train.max_steps=4")
+    pretrained = f"model.pretrained={first / 'hf'}"
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    train_workers(2, config, f"out_dir={whole}", pretrained)
+    train_workers(2, config, f"out_dir={split}", pretrained, "parallel.expert_parallel=2")
+    assert_same_losses(step_losses(whole), step_losses(split), min_steps=8)
+    assert_same_params(exported(whole), exported(split), atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype, sent, tolerance", [("float32", "torch.float32", 1e-5),
                                                     ("bfloat16", "torch.int16", 2e-2),
                                                     pytest.param("float16", "torch.float16", 2e-3, marks=pytest.mark.deep)])
