@@ -74,6 +74,30 @@ def test_four_workers_in_two_expert_groups_train_as_one_worker(tmp_path, tiny_co
     assert_same_params(exported(one), exported(split), atol=1e-5)
 
 
+def test_two_expert_groups_by_two_stages_train_as_one_worker_across_layouts(tmp_path, tiny_config):
+    """4 workers, e=2 x p=2: the two copies of each stage are one expert group (ranks 0 and 1
+    hold stage 0, 2 and 3 stage 1), exchanging tokens within it in the schedule's forwards and
+    backwards, the dense gradients reduced over the stage's copies, the experts' over none (each
+    expert is held once). To step 4 at e=2 x p=2 (a checkpoint part per stage and expert rank),
+    read by 2 plain data-parallel workers to step 6, that one's at e=2 x p=2 to 8: one worker's
+    losses, router loss, gradient norms (clipped) and export (micro batches of 1 for both: the
+    router loss is a micro batch's)."""
+    config = tiny_config({**MOE, "train": {**MOE["train"], "micro_batch_size": 1}})
+    one, moved = tmp_path / "np1", tmp_path / "moved"
+    train_workers(1, config, f"out_dir={one}")
+    grid = ("parallel.expert_parallel=2", "parallel.pipeline_stages=2")
+    train_workers(4, config, f"out_dir={moved}", *grid, "train.stop_at_step=4", timeout=600)
+    assert {p.name for p in checkpoint.newest_intact_checkpoint(moved).iterdir()} >= {
+        f"model-0000{part}-of-00004.safetensors" for part in range(1, 5)}
+    train_workers(2, config, f"out_dir={moved}", "train.stop_at_step=6")
+    train_workers(4, config, f"out_dir={moved}", *grid, timeout=600)
+    assert_same_losses(step_losses(one), step_losses(moved), min_steps=8)
+    for a, b in zip(read_metrics(one)[0], read_metrics(moved)[0]):
+        assert a["aux_loss"] == pytest.approx(b["aux_loss"], rel=1e-5) and a["expert_tokens"] == b["expert_tokens"]
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4) and a["grad_norm"] > 0.5  # clipped
+    assert_same_params(exported(one), exported(moved), atol=1e-5)
+
+
 def test_a_checkpoint_resumes_at_another_expert_parallel_size(tmp_path, tiny_config):
     """2 workers: stop at step 4 with e=2, go on to 6 with e=1, then to 8 with e=2 again: the
     same losses and weights as a straight e=1 run (each rank of the first group wrote its experts' rows)."""

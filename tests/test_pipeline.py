@@ -220,6 +220,19 @@ def test_layout_ranks_with_split_layers_neighbours_in_a_tensor_parallel_group():
         parallel_dims.layout_for(0, 8, 2, tp=3)
 
 
+def test_layout_ranks_with_expert_groups_among_the_copies_of_each_stage():
+    """pp x dp x ep: a stage's copies, dp_rank = dp * ep + ep_rank, are groups of e neighbours
+    (the alltoalls'); the ranks along "dp" hold the same experts; both dimensions together are
+    the copies of the stage's dense weights, in rank order."""
+    layout = parallel_dims.layout_for(rank=5, world_size=8, stages=2, ep=2)
+    assert (layout.stage, layout.dp_rank, layout.dp, layout.rank) == (1, 1, 4, 5)
+    assert layout.grid.group("ep", 5) == [4, 5] and layout.grid.group("dp", 5) == [5, 7]
+    assert layout.stage_ranks(1) == [4, 5, 6, 7] and layout.pipeline_ranks(3) == [3, 7]
+    assert layout.grid.groups(("dp", "ep")) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(UserError, match="'parallel.expert_parallel': 3 does not divide the 4 data-parallel copies"):
+        parallel_dims.layout_for(0, 8, 2, ep=3)
+
+
 def test_the_grid_s_groups_are_the_ranks_along_one_dimension():
     """The grid behind every group: with pp x dp the pipelines and the copies of each stage; a
     third, innermost dimension (tensor parallelism) makes neighbours its groups and the same

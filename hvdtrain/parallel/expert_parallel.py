@@ -2,15 +2,17 @@
 token sent to the ranks holding its experts and the results sent back with Horovod's alltoall
 (docs/experts.md).
 
-The workers form a grid ("copies", world / e) x ("ep", e) (parallel_dims.ParallelDims): the e
-neighbouring ranks of one expert group hold different experts of every layer (the group's
-rank i: experts i·E/e .. (i+1)·E/e - 1) and read different samples, as every worker does; the
-ranks at the same place of their groups hold the same experts. So
+The workers form a grid ("dp", world / e) x ("ep", e) (parallel_dims.ParallelDims; with
+pipeline stages, the layout's grid, each stage's copies so split): the e neighbouring ranks of
+one expert group hold different experts of every layer (the group's rank i: experts
+i·E/e .. (i+1)·E/e - 1) and read different samples, as every worker does; the ranks at the same
+place of their groups hold the same experts. So
 
-    dense weights    the same on every rank; gradients allreduced over all ranks, as without
+    dense weights    the same on every rank (of a stage); gradients allreduced over all ranks
+                     (the stage's copies), as without
     expert weights   this rank's E/e experts of each layer; gradients allreduced over the
-                     world / e ranks holding the same experts, each of whose gradients already
-                     sums what the tokens of its group's e ranks sent it
+                     ranks holding the same experts (along "dp"), each of whose gradients
+                     already sums what the tokens of its group's e ranks sent it
 
 In each layer's forward (ExpertParallel.forward), per micro batch:
 
@@ -54,7 +56,8 @@ class ExpertGroups:
     same_experts_set: object   # the ranks holding the same experts: their gradients' process set
     added_sets: list = field(default_factory=list)  # what open_expert_groups added, removed by close()
     copy: int = 0              # which of the groups: this rank's place among those holding its experts
-    copies: int = 1            # world / e
+    copies: int = 1            # the ranks holding the same experts: world / e (a stage's copies / e)
+    dense_set: object = None   # the copies of the dense weights: all ranks (the stage's copies); their gradients' process set
 
     def close(self):
         """Remove the process sets (every rank, the same order)."""
@@ -62,16 +65,28 @@ class ExpertGroups:
             hvd.remove_process_set(process_set)  # Horovod: remove a process set (collective)
 
 
-def open_expert_groups(rank: int, world_size: int, e: int) -> ExpertGroups:
-    """The process sets of parallel.expert_parallel = e, added by every rank in the same order
-    (Horovod needs hvd.init(process_sets="dynamic"); parallel_dims.add_process_sets)."""
+def expert_grid(world_size: int, e: int) -> ParallelDims:
+    """The workers without pipeline stages: ("dp", world / e) x ("ep", e)."""
     if world_size % e:
         raise UserError(f"config key 'parallel.expert_parallel': {e} does not divide the {world_size} workers")
-    grid = ParallelDims((("copies", world_size // e), ("ep", e)))
-    group_set, added = add_process_sets(grid, "ep", rank)  # Horovod: process sets
-    same_experts_set, more = add_process_sets(grid, "copies", rank)
-    at = grid.coords(rank)
-    return ExpertGroups(e, at["ep"], group_set, same_experts_set, added + more, at["copies"], world_size // e)
+    return ParallelDims((("dp", world_size // e), ("ep", e)))
+
+
+def open_expert_groups(grid: ParallelDims, rank: int, dense_set=None) -> ExpertGroups:
+    """The process sets of the expert groups (along the grid's "ep": the alltoalls) and of the
+    ranks holding the same experts (along "dp"), added by every rank in the same order (Horovod
+    needs hvd.init(process_sets="dynamic"); parallel_dims.add_process_sets). `dense_set`: the
+    process set of the copies of the dense weights (with pipeline stages, the stage's, which
+    parallel_dims.open_groups added); Horovod's global one by default."""
+    dense_set = dense_set or hvd.global_process_set
+    at, sizes = grid.coords(rank), dict(grid.dims)
+    if sizes["dp"] == 1:  # the copies are one expert group: their set (Horovod refuses to add one twice)
+        group_set, added = dense_set, []
+    else:
+        group_set, added = add_process_sets(grid, "ep", rank)  # Horovod: process sets
+    same_experts_set, more = add_process_sets(grid, "dp", rank)
+    return ExpertGroups(sizes["ep"], at["ep"], group_set, same_experts_set, added + more, at["dp"], sizes["dp"],
+                        dense_set)
 
 
 # ---------------------------------------------------------------- the experts' forward
@@ -210,14 +225,14 @@ def expert_weight_names(model: torch.nn.Module) -> set[str]:
 # ---------------------------------------------------------------- gradients
 
 def gradient_reduction(model, expert_names: set[str], groups: ExpertGroups, cfg: HorovodConfig,
-                       backward_passes: int) -> distributed.GradientReduction:
-    """Each gradient allreduced during the step's last backward: the dense weights' over all
-    ranks, the experts' over the ranks holding the same experts. With op average each expert
-    gradient sums what e ranks' tokens sent it, so it is divided by e more: both kinds then
-    average over all ranks."""
+                       backward_passes: int, during: bool = True) -> distributed.GradientReduction:
+    """Each gradient allreduced during the step's last backward (`during`; else after it): the
+    dense weights' over their copies (all ranks, or the stage's), the experts' over the ranks
+    holding the same experts. With op average each expert gradient sums what e ranks' tokens
+    sent it, so it is divided by e more: both kinds then average over all the copies."""
     def reduced_over(name: str) -> tuple[object, int]:
-        return (groups.same_experts_set, groups.size) if name in expert_names else (hvd.global_process_set, 1)
-    return distributed.GradientReduction(model, reduced_over, cfg, backward_passes)
+        return (groups.same_experts_set, groups.size) if name in expert_names else (groups.dense_set, 1)
+    return distributed.GradientReduction(model, reduced_over, cfg, backward_passes, during)
 
 
 def parameters_by_kind(model, expert_names: set[str]) -> tuple[list, list]:
@@ -230,11 +245,15 @@ def clip_grad_norm_(model, expert_names: set[str], groups: ExpertGroups, max_nor
     """torch.nn.utils.clip_grad_norm_ over the whole model: the dense gradients (equal on every
     rank) counted once, every expert's once (its group's ranks hold different ones)."""
     dense, experts = parameters_by_kind(model, expert_names)
-
-    def sum_over_group(squares):  # Horovod: allreduce (sum) of the squared norms of the group's experts
-        return hvd.allreduce(squares, op=hvd.Sum, name="grads.expert_norm", process_set=groups.group_set)
     return distributed.clip_split_grad_norm_([p.grad for p in dense if p.grad is not None],
-                                             [p.grad for p in experts if p.grad is not None], sum_over_group, max_norm)
+                                             [p.grad for p in experts if p.grad is not None],
+                                             functools.partial(sum_over_group, groups=groups), max_norm)
+
+
+def sum_over_group(squares: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+    """The sum of the expert group's squared norms of their experts' gradients."""
+    # Horovod: allreduce (sum) over the expert group
+    return hvd.allreduce(squares, op=hvd.Sum, name="grads.expert_norm", process_set=groups.group_set)
 
 
 def share_found_inf(scaler: torch.amp.GradScaler, optimizer, groups: ExpertGroups):
@@ -249,10 +268,11 @@ def share_found_inf(scaler: torch.amp.GradScaler, optimizer, groups: ExpertGroup
 
 # ---------------------------------------------------------------- checkpoints
 
-def write_part(tmp, model, optimizer, expert_names: set[str], groups: ExpertGroups) -> dict:
-    """A rank of the first expert group: its experts' rows of every expert weight and of their
-    optimizer state, as slices of the whole tensors (checkpoint.write_slices), and (its rank 0)
-    the dense weights and their state; their manifest entries."""
+def write_part(tmp, index: int, count: int, model, optimizer, expert_names: set[str], groups: ExpertGroups) -> dict:
+    """A rank of the first expert group (of a stage), as part `index` of `count`: its experts'
+    rows of every expert weight and of their optimizer state, as slices of the whole tensors
+    (checkpoint.write_slices), and (its rank 0) the dense weights and their state; their
+    manifest entries."""
     def slices(tensors: dict, name_of) -> dict:
         out = {}
         for key, tensor in tensors.items():
@@ -265,7 +285,7 @@ def write_part(tmp, model, optimizer, expert_names: set[str], groups: ExpertGrou
 
     weights = slices(model.state_dict(), lambda key: key)
     state = slices(checkpoint.optimizer_tensors(optimizer, model), lambda key: key.split("::", 1)[0])
-    return checkpoint.write_slices(tmp, groups.rank, groups.size, weights, state)
+    return checkpoint.write_slices(tmp, index, count, weights, state)
 
 
 def expert_copies(model, expert_names: set[str], groups: ExpertGroups, op: str) -> dict[int, Copies]:

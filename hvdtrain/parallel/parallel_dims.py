@@ -2,13 +2,15 @@
 process set derive (torchtitan's ParallelDims is the model).
 
 The world is a grid of named dimensions, outermost first: "pp" (pipeline stages), "dp"
-(data-parallel copies) and "tp" (the ranks of a tensor-parallel group, innermost, so that a
-layer's ranks are neighbours on one node, as Megatron and torchtitan place them), so
-rank = (stage * dp + dp_rank) * tp + tp_rank. A parallelism to come adds a dimension here, not a
-branch at every use: the ranks that share a collective are those that differ along one
-dimension (`ParallelDims.group`), and every group of a dimension is opened on every rank in the
-same order (`ParallelDims.groups`), as torch.distributed's new_group and Horovod's
-add_process_set require.
+(data-parallel copies, of a stage's experts where they are split), "ep" (the ranks of an expert
+group, which hold different experts of each layer and read different samples: with "dp", the
+copies of the stage's dense weights) and "tp" (the ranks of a tensor-parallel group, innermost,
+so that a layer's ranks are neighbours on one node, as Megatron and torchtitan place them), so
+rank = ((stage * dp + dp_rank) * ep + ep_rank) * tp + tp_rank. A parallelism to come adds a
+dimension here, not a branch at every use: the ranks that share a collective are those that
+differ along some dimensions only (`ParallelDims.group`), and every group of them is opened on
+every rank in the same order (`ParallelDims.groups`), as torch.distributed's new_group and
+Horovod's add_process_set require.
 
     hvd.init(process_sets="dynamic")                  # process sets are added after init
     layout = layout_for(hvd.rank(), hvd.size(), stages, tp=t)
@@ -17,6 +19,8 @@ add_process_set require.
     ... (hvdtrain.parallel.tensor_parallel) and Horovod's reductions use them ...
     groups.close()
 """
+import dataclasses
+import itertools
 import math
 import os
 import socket
@@ -59,42 +63,52 @@ class ParallelDims:
             rank = rank * size + coords.get(name, 0)
         return rank
 
-    def group(self, dim: str, rank: int) -> list[int]:
-        """The ranks that differ from `rank` along `dim` alone, in the order of that coordinate."""
-        at = self.coords(rank)
-        return [self.rank_at(**{**at, dim: i}) for i in range(dict(self.dims)[dim])]
+    def group(self, dims: str | tuple[str, ...], rank: int) -> list[int]:
+        """The ranks that differ from `rank` along `dims` (a name or several) alone, in rank order."""
+        names = (dims,) if isinstance(dims, str) else dims
+        at, sizes = self.coords(rank), dict(self.dims)
+        along = [name for name, _ in self.dims if name in names]  # outermost first: rank order
+        return [self.rank_at(**{**at, **dict(zip(along, values))})
+                for values in itertools.product(*(range(sizes[name]) for name in along))]
 
-    def groups(self, dim: str) -> list[list[int]]:
-        """Every group along `dim`, each once, in rank order of its first member: the order in
+    def groups(self, dims: str | tuple[str, ...]) -> list[list[int]]:
+        """Every group along `dims`, each once, in rank order of its first member: the order in
         which every rank opens them."""
-        firsts = [r for r in range(self.world_size) if self.coords(r)[dim] == 0]
-        return [self.group(dim, r) for r in firsts]
+        names = (dims,) if isinstance(dims, str) else dims
+        firsts = [r for r in range(self.world_size) if all(self.coords(r)[name] == 0 for name in names)]
+        return [self.group(dims, r) for r in firsts]
 
 
 # ---------------------------------------------------------------- this rank's place in it
 
 @dataclass(frozen=True)
 class Layout:
-    """Where this rank sits in the `stages x dp x tp` grid.
+    """Where this rank sits in the `stages x dp x tp` grid (with split experts the dp copies of
+    a stage are dp / ep groups of ep ranks: the grid's "dp" x "ep").
 
     With `stages_per_rank` > 1 (interleaved schedules) the model is cut into
     stages * stages_per_rank pipeline stages and pipeline position s runs the stages
     s, s + stages, s + 2 * stages, ... (torch's loop order)."""
     stages: int               # p: ranks in one pipeline
-    dp: int                   # copies of each stage
+    dp: int                   # copies of each stage (of its dense weights)
     stage: int                # this rank's position in its pipeline, 0 .. p-1
     dp_rank: int              # which copy, 0 .. dp-1
     stages_per_rank: int = 1
     tp: int = 1               # t: ranks of a tensor-parallel group, which hold the slices of each layer
     tp_rank: int = 0          # this rank's place in its group, 0 .. t-1
+    ep: int = 1               # e: ranks of an expert group, among the copies (each holds 1/e of the experts)
 
     @property
     def grid(self) -> ParallelDims:
-        return ParallelDims((("pp", self.stages), ("dp", self.dp), ("tp", self.tp)))
+        return ParallelDims((("pp", self.stages), ("dp", self.dp // self.ep), ("ep", self.ep), ("tp", self.tp)))
+
+    def at(self, dp_rank: int) -> dict[str, int]:
+        """Copy `dp_rank`'s coordinates along "dp" and "ep"."""
+        return {"dp": dp_rank // self.ep, "ep": dp_rank % self.ep}
 
     @property
     def rank(self) -> int:
-        return self.grid.rank_at(pp=self.stage, dp=self.dp_rank, tp=self.tp_rank)
+        return self.grid.rank_at(pp=self.stage, **self.at(self.dp_rank), tp=self.tp_rank)
 
     @property
     def is_first(self) -> bool:
@@ -119,14 +133,17 @@ class Layout:
     def stage_ranks(self, stage: int) -> list[int]:
         """The ranks holding copies of pipeline position `stage` (and of this rank's slices):
         one data-parallel group."""
-        return self.grid.group("dp", self.grid.rank_at(pp=stage, tp=self.tp_rank))
+        return self.grid.group(COPIES, self.grid.rank_at(pp=stage, tp=self.tp_rank))
 
     def pipeline_ranks(self, dp_rank: int) -> list[int]:
         """The ranks of pipeline `dp_rank` (at this rank's slices), first stage first."""
-        return self.grid.group("pp", self.grid.rank_at(dp=dp_rank, tp=self.tp_rank))
+        return self.grid.group("pp", self.grid.rank_at(**self.at(dp_rank), tp=self.tp_rank))
 
 
-def layout_for(rank: int, world_size: int, stages: int, stages_per_rank: int = 1, tp: int = 1) -> Layout:
+COPIES = ("dp", "ep")  # the dimensions along which the ranks hold copies of the same dense weights
+
+
+def layout_for(rank: int, world_size: int, stages: int, stages_per_rank: int = 1, tp: int = 1, ep: int = 1) -> Layout:
     if stages < 1 or world_size % stages:
         raise UserError(f"parallel.pipeline_stages={stages} does not divide the {world_size} workers")
     if stages_per_rank < 1:
@@ -135,9 +152,12 @@ def layout_for(rank: int, world_size: int, stages: int, stages_per_rank: int = 1
         raise UserError(f"config key 'parallel.tensor_parallel': {tp} does not divide the {world_size // stages} "
                         f"workers{' of each pipeline stage' if stages > 1 else ''}")
     dp = world_size // (stages * tp)
-    at = ParallelDims((("pp", stages), ("dp", dp), ("tp", tp))).coords(rank)
-    return Layout(stages=stages, dp=dp, stage=at["pp"], dp_rank=at["dp"], stages_per_rank=stages_per_rank,
-                  tp=tp, tp_rank=at["tp"])
+    if ep < 1 or dp % ep:
+        raise UserError(f"config key 'parallel.expert_parallel': {ep} does not divide the {dp} data-parallel "
+                        f"copies{' of each pipeline stage' if stages > 1 else ''}")
+    layout = Layout(stages=stages, dp=dp, stage=0, dp_rank=0, stages_per_rank=stages_per_rank, tp=tp, ep=ep)
+    at = layout.grid.coords(rank)
+    return dataclasses.replace(layout, stage=at["pp"], dp_rank=at["dp"] * ep + at["ep"], tp_rank=at["tp"])
 
 
 # ---------------------------------------------------------------- process groups
@@ -147,7 +167,7 @@ class Groups:
     """The communicators of one rank; every rank created all of them, in the same order."""
     pipeline: dist.ProcessGroup | None  # this rank's pipeline (along "pp"), for send/recv and the grad norm; None when p = 1
     tied: dist.ProcessGroup | None      # {first, last stage} of this pipeline; None on other ranks or when p = 1
-    process_set: object                 # Horovod process set of the copies (along "dp") of this stage and slices
+    process_set: object                 # Horovod process set of the copies (along "dp" and "ep") of this stage and slices
     tensor: DeviceMesh | None = None    # this rank's tensor-parallel group (along "tp"), for DTensor; None when t = 1
     added_sets: list = field(default_factory=list)  # what open_groups added, removed by close()
 
@@ -163,7 +183,7 @@ def open_groups(layout: Layout, backend: str) -> Groups:
     pipeline stages a torch.distributed group per pipeline (the ranks along "pp") and one of its
     two ends (the tied embedding); with split layers a torch.distributed group per tensor-parallel
     group (along "tp", as a DeviceMesh), which must lie within one host; a Horovod process set per
-    set of copies (along "dp").
+    set of copies (along "dp" and "ep").
 
     Needs `hvd.init(process_sets="dynamic")` (or HOROVOD_DYNAMIC_PROCESS_SETS=1 before hvd.init):
     the data-parallel process sets are added here. No launcher flags or MASTER_* variables are
@@ -184,7 +204,7 @@ def open_groups(layout: Layout, backend: str) -> Groups:
                 tied = group
     if layout.tp > 1:
         tensor = DeviceMesh.from_group(_new_groups(grid, "tp", rank), "cuda" if backend == "nccl" else "cpu")
-    process_set, added = add_process_sets(grid, "dp", rank)  # Horovod: process sets
+    process_set, added = add_process_sets(grid, COPIES, rank)  # Horovod: process sets
     return Groups(pipeline, tied, process_set, tensor, added)
 
 
@@ -220,13 +240,13 @@ def init_torch_distributed(backend: str):
     sys.excepthook = excepthook
 
 
-def add_process_sets(grid: ParallelDims, dim: str, rank: int) -> tuple[object, list]:
-    """A Horovod process set for every group along `dim`, added by every rank in the same order
+def add_process_sets(grid: ParallelDims, dims: str | tuple[str, ...], rank: int) -> tuple[object, list]:
+    """A Horovod process set for every group along `dims`, added by every rank in the same order
     (Horovod needs hvd.init(process_sets="dynamic")): (this rank's set, the sets added). A set
     of all ranks is Horovod's global one (it refuses a second); a set of one rank is added as
     any other (its collectives send nothing), as open_groups adds a stage's only copy."""
     mine, added = None, []
-    for ranks in grid.groups(dim):
+    for ranks in grid.groups(dims):
         if len(ranks) == grid.world_size:
             process_set = hvd.global_process_set
         else:

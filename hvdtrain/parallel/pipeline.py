@@ -391,24 +391,32 @@ def allreduce_tied_grads(stage: StageModule, groups: Groups):
         dist.all_reduce(p.grad, group=groups.tied)  # torch.distributed: allreduce (sum), first + last stage
 
 
-def clip_grad_norm_(stage: StageModule, max_norm: float, groups: Groups) -> torch.Tensor:
+def clip_grad_norm_(stage: StageModule, max_norm: float, groups: Groups, experts=None) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ over the whole model: the L2 norm of all stages' gradients
     (squares summed along the pipeline; the copies of a stage hold equal, reduced gradients; a
     tied weight counted once, on the first stage; with split layers, the squares of each rank's
-    slices summed over its tensor-parallel group first), and every stage scaled by the same
-    coefficient. Returns the total norm before clipping."""
+    slices summed over its tensor-parallel group first; with split experts, `experts` = (this
+    rank's expert weights, the sum over its expert group), theirs so), and every stage scaled
+    by the same coefficient. Returns the total norm before clipping."""
     copies = set(stage.tied.values()) if stage.layout.is_last and not stage.layout.is_first else set()
-    grads = [(p.grad, p in copies) for p in stage.parameters() if p.grad is not None]
+    own_experts, sum_over_experts = experts or (set(), None)
+    grads = [(p.grad, p in copies, p in own_experts) for p in stage.parameters() if p.grad is not None]
 
-    def sum_over_tensor_group(squares):
+    def split(grad, expert: bool) -> bool:  # held by this rank only among the ranks of a group
+        return expert or is_split(grad)
+
+    def sum_over_split_group(squares):
         if groups.tensor is not None:
             # torch.distributed: allreduce (sum) over the tensor-parallel group
             dist.all_reduce(squares, group=groups.tensor.get_group())
+        if sum_over_experts is not None:
+            squares = sum_over_experts(squares)  # Horovod: allreduce (sum) over the expert group
         return squares
 
     def sum_along_pipeline(squares):
         dist.all_reduce(squares, group=groups.pipeline)  # torch.distributed: allreduce (sum) along the pipeline
         return squares
     return distributed.clip_split_grad_norm_(
-        [local(g) for g, copy in grads if not copy and not is_split(g)], [local(g) for g, _ in grads if is_split(g)],
-        sum_over_tensor_group, max_norm, sum_along_pipeline, [g for g, copy in grads if copy])
+        [local(g) for g, copy, expert in grads if not copy and not split(g, expert)],
+        [local(g) for g, _, expert in grads if split(g, expert)],
+        sum_over_split_group, max_norm, sum_along_pipeline, [g for g, copy, _ in grads if copy])

@@ -34,6 +34,7 @@ All of them answer the same calls, which the loop (hvdtrain.training.train.run_s
 
 Collective calls are tagged `# Horovod:` (or `# torch.distributed:` along a pipeline).
 """
+import functools
 import math
 from contextlib import nullcontext
 
@@ -291,14 +292,25 @@ class PipelinedStep(PlainStep):
     """This worker's pipeline stage (`model`, a pipeline.StageModule). `optimizer` is Horovod's
     DistributedOptimizer over the copies of the stage, or (`reduce_after`) a plain one whose
     gradients are reduced in one grouped allreduce after the schedule's run, where NCCL would
-    otherwise run two communicators at once."""
+    otherwise run two communicators at once. With split experts (`expert_groups`) it is a plain
+    one: the dense gradients are allreduced over the copies of the stage, the experts' over the
+    ranks holding the same experts (expert_parallel.gradient_reduction, during the schedule's
+    backward or after it), and the norm counts each expert once."""
 
     def __init__(self, model, optimizer, scaler, normalizer, autocast, device, layout: parallel_dims.Layout,
-                 groups: parallel_dims.Groups, pipe: pipeline.Pipeline, reduce_after: bool, cfg: Config):
+                 groups: parallel_dims.Groups, pipe: pipeline.Pipeline, reduce_after: bool, cfg: Config,
+                 grad_accum: int = 1, expert_groups=None):
         super().__init__(model, optimizer, scaler, normalizer, autocast, device)
         self.layout, self.groups, self.pipe, self.reduce_after, self.cfg = layout, groups, pipe, reduce_after, cfg
         # the stages of a pipeline and the ranks of a tensor-parallel group read the same samples
         self.stages, self.copies_per_stage = layout.stages * layout.tp, layout.dp
+        self.expert_groups, self.reduction, self.experts = expert_groups, None, None
+        if expert_groups is not None:
+            names = expert_parallel.expert_weight_names(model)
+            self.reduction = expert_parallel.gradient_reduction(model, names, expert_groups, cfg.horovod, grad_accum,
+                                                                during=not reduce_after)
+            self.experts = ({p for n, p in model.named_parameters() if n in names},
+                            functools.partial(expert_parallel.sum_over_group, groups=expert_groups))
 
     def forward_backward(self, micro_batches, timer):
         """The schedule's runs of m micro batches: forward and backward of every stage
@@ -324,7 +336,9 @@ class PipelinedStep(PlainStep):
 
     def reduce_gradients(self):
         """The copies of the stage agree, then the tied embedding's two ends."""
-        if self.reduce_after:
+        if self.reduction is not None:
+            self.reduction.wait()  # Horovod: wait for (or start) the allreduces of the dense and expert gradients
+        elif self.reduce_after:
             h = self.cfg.horovod
             # Horovod: grouped allreduce of the gradients within the stage's process set
             distributed.allreduce_grads(self.model.parameters(), self.groups.process_set, "pipeline.grads",
@@ -336,8 +350,8 @@ class PipelinedStep(PlainStep):
 
     def clip_gradients(self, max_norm):
         self.scaler.unscale_(self.optimizer)
-        # torch.distributed: allreduce of the squared norms along the pipeline
-        return pipeline.clip_grad_norm_(self.model, max_norm, self.groups)
+        # torch.distributed: allreduce of the squared norms along the pipeline (Horovod: over the expert group)
+        return pipeline.clip_grad_norm_(self.model, max_norm, self.groups, self.experts)
 
     def agree_on_nonfinite(self):
         """A stage (or a rank of a tensor-parallel group) that found no inf skips too, as the
@@ -345,18 +359,25 @@ class PipelinedStep(PlainStep):
         if self.groups.tensor is not None:  # each rank unscaled its own slices (tensor_parallel.LocalGradScaler)
             # torch.distributed: allreduce (max) over the tensor-parallel group
             distributed.share_found_inf(self.scaler, self.optimizer, self.groups.tensor.get_group())
+        if self.expert_groups is not None:  # Horovod: allreduce (max) over the expert group
+            expert_parallel.share_found_inf(self.scaler, self.optimizer, self.expert_groups)
         # torch.distributed: allreduce (max) along the pipeline
         distributed.share_found_inf(self.scaler, self.optimizer, self.groups.pipeline)
 
     def stepping(self):
-        return nullcontext() if self.reduce_after else self.optimizer.skip_synchronize()
+        plain = self.reduce_after or self.reduction is not None  # no Horovod wrapper to hold back
+        return nullcontext() if plain else self.optimizer.skip_synchronize()
 
     @torch.no_grad()
     def evaluate(self, loader):
-        """The loss only (the last stage computes it; no accuracy), in runs of the schedule's m micro batches."""
-        pipe = self.pipe
+        """The loss only (the last stage computes it; no accuracy), in runs of the schedule's m
+        micro batches; with split experts every rank of an expert group runs as many (each
+        exchanges tokens)."""
+        pipe, cfg = self.pipe, self.cfg
         self.model.eval()
         loss = targets = 0.0
+        if self.expert_groups is not None:
+            loader = even_batches(loader, self.expert_groups.group_set, (cfg.train.micro_batch_size, cfg.data.seq_len))
         batches = [{k: v.to(self.device) for k, v in b.items() if torch.is_tensor(v)} for b in loader]
         for i in range(0, len(batches), pipe.n_microbatches):
             group = batches[i:i + pipe.n_microbatches]
@@ -377,11 +398,15 @@ class PipelinedStep(PlainStep):
         layout, m = self.layout, self.pipe.n_microbatches
         bubble = pipeline.ideal_bubble(layout.stages, m, layout.stages_per_rank)
         split = {"tensor_parallel": f"each stage's layers split over {layout.tp} workers"} if layout.tp > 1 else {}
+        if self.expert_groups is not None:
+            split["experts"] = f"each layer's experts split over {self.expert_groups.size} workers (alltoall)"
         return {"pipeline": f"{self.cfg.parallel.schedule}, {m} micro batches per run, ideal bubble {bubble:.0%}, "
                             f"gradients reduced {'after' if self.reduce_after else 'during'} the pipeline's backward",
                 **split}
 
     def close(self):
+        if self.expert_groups is not None:
+            self.expert_groups.close()  # Horovod: remove the expert groups' process sets (collective)
         self.groups.close()  # Horovod + torch.distributed: remove the process sets and groups (collective)
 
 
@@ -492,7 +517,7 @@ def build_engine(cfg: Config, device, model, optimizer, scaler, grad_accum: int,
         pipe = pipeline.build_schedule(model, layout, groups, cfg.parallel.schedule,
                                        cfg.parallel.microbatches or grad_accum, 1.0, device)
         engine = PipelinedStep(model, optimizer, scaler, normalizer, autocast, device, layout, groups, pipe,
-                               reduce_after, cfg)
+                               reduce_after, cfg, grad_accum, expert_groups)
     if cfg.parallel.shard == "none":
         return engine
     return ShardedStep(engine, groups, (t.micro_batch_size, cfg.data.seq_len))

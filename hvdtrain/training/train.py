@@ -264,12 +264,13 @@ def set_up(cfg: Config) -> Setup:
     grad_accum, global_batch = resolve_batch(cfg, world.size)
     # Pipeline stages: this worker's place in the stages x copies (x tensor slices) grid; the copies shard the data.
     layout = (parallel_dims.layout_for(world.rank, world.size, par.pipeline_stages, par.stages_per_rank,
-                                       tp=par.tensor_parallel)
+                                       tp=par.tensor_parallel, ep=par.expert_parallel)
               if par.pipeline_stages > 1 else None)
     shard, shards = (layout.dp_rank, layout.dp) if layout else (world.rank, world.size)
-    # Split experts: each rank of an expert group holds 1/e of every layer's experts
-    expert_groups = (expert_parallel.open_expert_groups(world.rank, world.size, par.expert_parallel)
-                     if par.expert_parallel > 1 else None)  # Horovod: process sets, made by every rank
+    # Split experts: each rank of an expert group holds 1/e of every layer's experts; the groups
+    # are the grid's "ep" (the stages' copies split in groups of e), opened in set-up 4
+    expert_grid = ((layout.grid if layout else expert_parallel.expert_grid(world.size, par.expert_parallel))
+                   if par.expert_parallel > 1 else None)
     # Split layers without stages: the t ranks of a tensor-parallel group read the same samples
     # (with stages, the pipeline's groups include theirs: set-up 4)
     tensor_groups = (tensor_parallel.open_tensor_groups(world.rank, world.size, par.tensor_parallel, world.device)
@@ -290,6 +291,9 @@ def set_up(cfg: Config) -> Setup:
         groups = parallel_dims.open_groups(layout, "nccl" if world.device.type == "cuda" else "gloo")
         if layout.tp > 1:  # split layers within the stages
             tensor_groups = tensor_parallel.TensorGroups(layout, groups)
+    expert_groups = None
+    if expert_grid is not None:  # Horovod: process sets, made by every rank
+        expert_groups = expert_parallel.open_expert_groups(expert_grid, world.rank, groups and groups.process_set)
     bounds = pipeline_bounds(cfg, data, world, layout, grad_accum)
     model, optimizer, scaler, aliases, peak_lr, reduce_after = build_model_and_optimizer(
         cfg, data, world.device, grad_accum, shards, layout, groups, shard, bounds, expert_groups, tensor_groups)

@@ -183,11 +183,12 @@ class TrainingState:
                     part = checkpoint.write_slices(tmp, index, count, weights, state)
         elif self.sharded:  # every worker: its slices
             part = self.optimizer.write_part(tmp, self.world.rank, self.world.size)
-        elif self.expert_groups is not None:  # the first expert group: its experts' rows (its rank 0: the rest)
-            writer = self.world.rank < self.expert_groups.size
-            part = (expert_parallel.write_part(tmp, self.model, self.optimizer,
-                                               expert_parallel.expert_weight_names(self.model), self.expert_groups)
-                    if writer else {})
+        elif self.expert_groups is not None:  # the first expert group (of each stage): its experts' rows (its rank 0: the rest)
+            groups = self.expert_groups
+            stage, stages = (0, 1) if self.layout is None else (self.layout.stage, self.layout.stages)
+            part = (expert_parallel.write_part(tmp, stage * groups.size + groups.rank, stages * groups.size, self.model,
+                                               self.optimizer, expert_parallel.expert_weight_names(self.model), groups)
+                    if groups.copy == 0 else {})
         else:
             if self.layout is None:
                 index, count, writer = 0, 1, self.world.is_main

@@ -29,8 +29,8 @@ if par.pipeline_stages > 1:
     layout = parallel_dims.layout_for(world.rank, world.size, par.pipeline_stages, par.stages_per_rank)
     groups = parallel_dims.open_groups(layout, "gloo")
     shards = layout.dp
-expert_groups = (expert_parallel.open_expert_groups(world.rank, world.size, par.expert_parallel)
-                 if par.expert_parallel > 1 else None)
+expert_groups = (expert_parallel.open_expert_groups(expert_parallel.expert_grid(world.size, par.expert_parallel),
+                                                   world.rank) if par.expert_parallel > 1 else None)
 data = check_data(cfg, world, shards, global_batch, grad_accum)
 transformers.GPT2LMHeadModel, transformers.BertForMaskedLM, transformers.MixtralForCausalLM  # noqa: B018 (imported now, not while measured)
 

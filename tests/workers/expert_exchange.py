@@ -17,7 +17,7 @@ import torch
 from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
-from hvdtrain.parallel.expert_parallel import open_expert_groups, split_experts
+from hvdtrain.parallel.expert_parallel import expert_grid, open_expert_groups, split_experts
 
 dtype = getattr(torch, sys.argv[1])
 sent_dtypes, names, alltoall = set(), set(), hvd.alltoall
@@ -31,7 +31,7 @@ def recorded_alltoall(tensor, **kw):
 
 hvd.alltoall = recorded_alltoall  # what expert_parallel calls
 hvd.init(process_sets="dynamic")
-groups = open_expert_groups(hvd.rank(), hvd.size(), 2)
+groups = open_expert_groups(expert_grid(hvd.size(), 2), hvd.rank())
 torch.manual_seed(0)  # the same weights on every rank
 whole = MixtralExperts(MixtralConfig(hidden_size=8, intermediate_size=16, num_local_experts=4))
 for weight in whole.parameters():
