@@ -24,10 +24,11 @@ In each layer's forward (ExpertParallel.forward), per micro batch:
 Each exchange is an autograd function (`exchange`) whose backward is the reverse alltoall, so
 backward needs nothing more. Every alltoall is named after its layer (Horovod matches a
 collective across its ranks by name; an unnamed one is named by a count of this process's
-collectives, which ranks that ran others, on other process sets, would not share). Each gradient's allreduce starts as soon as backward has made it
-(gradient_reduction, for ExpertParallelStep in hvdtrain.training.step_engine); a checkpoint holds every expert
-under its name, its rows written by the ranks of the first group (write_part), so that it loads
-at any e, and the Hugging Face export reads it as it reads any other.
+collectives, which ranks that ran others, on other process sets, would not share). Each
+gradient's allreduce starts as soon as backward has made it (gradient_reduction, for
+ExpertParallelStep and PipelinedStep in hvdtrain.training.step_engine); a checkpoint holds every
+expert under its name, its rows written by the ranks of the first group (write_part), so that it
+loads at any e, and the Hugging Face export reads it as it reads any other.
 """
 import functools
 from dataclasses import dataclass, field

@@ -16,7 +16,8 @@
                     (during the schedule's backward, or after it), the tied embedding is summed
                     between the first and last stage, and one gradient norm is taken over all
                     stages; with parallel.tensor_parallel too, the stage's layers are split over
-                    a tensor-parallel group (reduced after, as local tensors)
+                    a tensor-parallel group (reduced after, as local tensors); with
+                    parallel.expert_parallel, its experts over groups of the stage's copies
     ShardedStep     parallel.shard (optimizer, gradients, full), around either of them: their
                     forward/backward and evaluation; the reduction (reduce-scatter), normalisation,
                     clip, non-finite agreement and step are the hvdtrain.parallel.sharded_optimizer's,

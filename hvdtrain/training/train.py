@@ -293,7 +293,7 @@ def set_up(cfg: Config) -> Setup:
             tensor_groups = tensor_parallel.TensorGroups(layout, groups)
     expert_groups = None
     if expert_grid is not None:  # Horovod: process sets, made by every rank
-        expert_groups = expert_parallel.open_expert_groups(expert_grid, world.rank, groups and groups.process_set)
+        expert_groups = expert_parallel.open_expert_groups(expert_grid, world.rank, groups.process_set if groups else None)
     bounds = pipeline_bounds(cfg, data, world, layout, grad_accum)
     model, optimizer, scaler, aliases, peak_lr, reduce_after = build_model_and_optimizer(
         cfg, data, world.device, grad_accum, shards, layout, groups, shard, bounds, expert_groups, tensor_groups)
