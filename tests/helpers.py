@@ -234,14 +234,14 @@ def assert_same_params(a: dict, b: dict, atol=0.0):
         assert torch.allclose(a[name], b[name], rtol=0, atol=atol), name
 
 
-def two_stages_equal_one_worker(tmp_path: Path, config: Path) -> Path:
-    """Train `config` on one worker and in two pipeline stages; assert the same losses and
+def two_stages_equal_one_worker(tmp_path: Path, config: Path, *overrides: str) -> Path:
+    """Train `config` on one worker and in two pipeline stages (with `overrides`); assert the same losses and
     weights within a tenth of one lr step (3 steps of lr 1e-3 move a weight by up to 3e-3): an
     untied embedding's rows of rare tokens get gradients near AdamW's eps, whose step turns fp32
     rounding into ~2% of an lr step (1.6e-5 seen on a CPU). Returns the one worker's folder."""
     one, two = tmp_path / "one", tmp_path / "two"
     train_workers(1, config, f"out_dir={one}")
-    train_workers(2, config, f"out_dir={two}", "parallel.pipeline_stages=2")
+    train_workers(2, config, f"out_dir={two}", "parallel.pipeline_stages=2", *overrides)
     assert_same_losses(step_losses(one), step_losses(two), min_steps=3)
     stages = {**load_params(two, 0), **load_params(two, 1)}
     for name, value in load_params(one, 0).items():

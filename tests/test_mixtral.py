@@ -185,15 +185,17 @@ def test_two_workers_equal_one_worker_with_the_routing_logged(tmp_path, tiny_con
 
 
 @pytest.mark.workers
-def test_two_pipeline_stages_train_as_one_worker(tmp_path, tiny_config):
-    """Two pipeline stages, each with one layer's router: the second receives the first's
-    routing sums with the hidden states, the last computes the router losses from both layers
-    and their gradients go back along the pipeline. The same per-step losses (router losses
-    included), logged router loss and expert tokens, and weights, as one worker."""
+@pytest.mark.parametrize("bounds", [[0, 1, 2], [0, 2, 2]])
+def test_two_pipeline_stages_train_as_one_worker(tmp_path, tiny_config, bounds):
+    """Two pipeline stages, each with one layer's router, or the second with the head alone
+    (it routes nothing and passes the sums on): the second receives the first's routing sums
+    with the hidden states, the last computes the router losses from both layers and their
+    gradients go back along the pipeline. The same per-step losses (router losses included),
+    logged router loss and expert tokens, and weights, as one worker."""
     config = tiny_config({"model": {"arch": "mixtral", "n_kv_head": 1, "experts": 4, "experts_per_token": 2,
                                     "d_ff": 32, "router_aux_loss_coef": 0.5, "router_z_loss_coef": 0.1},
                           "train": {"micro_batch_size": 2, "global_batch_size": 8, "max_steps": 4, "lr": 1e-3}})
-    one = two_stages_equal_one_worker(tmp_path, config)
+    one = two_stages_equal_one_worker(tmp_path, config, f"parallel.layer_boundaries={bounds}".replace(" ", ""))
     for a, b in zip(*(read_metrics(run)[0] for run in (one, tmp_path / "two"))):
         assert a["aux_loss"] == pytest.approx(b["aux_loss"], rel=1e-5) and a["aux_loss"] > 0.4
         assert a["z_loss"] == pytest.approx(b["z_loss"], rel=1e-5) and a["z_loss"] > 0

@@ -201,6 +201,8 @@ def stage_routing(stage, layer_ids: range, carried: torch.Tensor | None, run_lay
         for handle in handles:
             handle.remove()
     layers = [(i, logits, getattr(router, "dropped", None)) for i, logits, router in seen]
+    if not layers:  # a stage of the embeddings or the head alone routes nothing: it passes the sums on
+        return hidden, carried if carried is not None else torch.zeros(routing_size(stage.config), device=hidden.device)
     return hidden, routing_sums(stage.config, layers, carried)
 
 
