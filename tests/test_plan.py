@@ -697,6 +697,23 @@ def test_sharded_split_experts_shard_each_expert_over_the_copies_holding_it(leve
     assert parts.layer - 56 * 3 * 2048 * 1024 < head == planmod.largest_unit_params(split)
 
 
+def test_fully_sharded_split_experts_in_stages_count_each_stage_s_slices():
+    """16 GPUs, p=2 x 8 copies of each stage, e=4, full: a stage holds 8 layers with 16 of each
+    layer's 64 experts (their weights sharded over the 8 / 4 = 2 copies holding them) and its
+    dense weights (over all 8); its masters, gradient slices and optimizer state are 16 B per
+    value it keeps, as the table's weights+grads+optimizer column shows."""
+    cfg = olmoe_shaped(4, shard="full")
+    p = plan(cfg, gpus=16, pp=2)
+    (first, _) = p["pipeline"]["chosen"]["ranks"]
+    parts = planmod.parameter_parts(cfg)
+    dense = 8 * (parts.layer - parts.experts) + parts.embeddings
+    kept = dense // 8 + 8 * parts.experts // 4 // 2
+    state = {k: v for k, v in first["parts"].items() if k.startswith(("master", "gradient slices", "optimizer"))}
+    assert sum(state.values()) == pytest.approx(16 * kept, rel=1e-6) and len(state) == 3
+    row = next(line for line in planmod.format_plan(p).splitlines() if "0-7 +emb" in line)
+    assert f"{16 * kept / GIB:.2f} GiB" in row
+
+
 def test_one_stage_of_split_experts_is_the_plan_s_worker_and_its_slot_carries_the_alltoall():
     """The layout table tune ranks (pipeline_plan, one stage): with e = 8 the rank's memory is
     memory_bytes' (8 of each layer's 64 experts held), and each micro batch's slot gains that

@@ -1155,6 +1155,11 @@ def _layers_text(rank: dict, n_stages: int) -> str:
     return ", ".join(pieces)
 
 
+# weight_state_bytes' parts the pipeline table sums in its weights+grads+optimizer column (the
+# units and gradients in flight of "full" are not: they are one unit's, not the stage's)
+WEIGHT_STATE_PARTS = ("parameters", "gradient", "master", "optimizer", "autocast", "fp16-compressed")
+
+
 def _format_pipeline(p: dict) -> list[str]:
     pipe, mem = p["pipeline"], p["memory"]
     c = pipe["chosen"]
@@ -1169,8 +1174,7 @@ def _format_pipeline(p: dict) -> list[str]:
              f"{'recv buffers':>13} {'logits':>10} {'total':>11}  in flight"]
     for r in c["ranks"]:
         parts = r["parts"]
-        state = sum(v for k, v in parts.items() if k.startswith(("parameters", "gradients", "master", "optimizer",
-                                                                   "autocast", "fp16-compressed")))
+        state = sum(v for k, v in parts.items() if k.startswith(WEIGHT_STATE_PARTS))
         lines.append(f"  {r['rank']:>4}  {_layers_text(r, n_stages):<{width}} {r['params'] / 1e9:>8.2f}B "
                      f"{state / GIB:>20.2f} GiB {parts['activations'] / GIB:>8.2f} GiB "
                      f"{parts.get('pipeline receive buffers', 0) / GIB:>9.2f} GiB "
