@@ -386,8 +386,8 @@ class ParallelConfig:
     # holding the same experts, the others' over all. Must divide model.experts and the workers.
     # With parallel.shard the expert weights (their state; with full, the weights themselves,
     # gathered unit by unit) are sharded over the workers holding the same experts. With pipeline
-    # stages each stage's copies form the expert groups (must divide them; not yet with
-    # parallel.shard). 1: every worker holds every expert.
+    # stages each stage's copies form the expert groups (must divide them), and with
+    # parallel.shard the stage's copies shard its dense weights. 1: every worker holds every expert.
     expert_parallel: int = 1
     # Tensor parallelism (Megatron-LM's, docs/tensor-parallel.md): each layer's attention and MLP
     # matrices split over this many neighbouring workers (one node), which read the same samples,
@@ -701,9 +701,6 @@ def validate(cfg: Config):
         experts = m.experts or MIXTRAL_EXPERTS
         _require(experts % par.expert_parallel == 0, "parallel.expert_parallel",
                  f"a divisor of model.experts ({experts})", par.expert_parallel)
-        _require(par.pipeline_stages == 1 or par.shard == "none", "parallel.shard", "'none' with "
-                 "parallel.expert_parallel > 1 and parallel.pipeline_stages > 1 (not supported together yet)",
-                 par.shard)
         # LAMB's trust ratio takes the norm of a whole weight; a rank holds some experts' rows.
         _require(cfg.train.optimizer != "lamb", "train.optimizer", "'adamw' with parallel.expert_parallel > 1 "
                  "(LAMB's trust ratio needs the norm of each whole expert weight)", cfg.train.optimizer)

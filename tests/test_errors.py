@@ -21,8 +21,6 @@ CASES = [
      ["'model.experts_per_token'", "an integer in [1, model.experts (4)]", "5"]),
     (["model.arch=mixtral", "model.experts=1"], ["'model.experts'", "an integer >= model.experts_per_token (2)"]),
     (["model.arch=mixtral", "model.router_aux_loss_coef=-1"], ["'model.router_aux_loss_coef'", "a number >= 0"]),
-    (["model.arch=mixtral", "parallel.pipeline_stages=2", "parallel.expert_parallel=2", "parallel.shard=optimizer"],
-     ["'parallel.shard'", "'none' with parallel.expert_parallel > 1 and parallel.pipeline_stages > 1"]),
     (["parallel.expert_parallel=2"], ["'parallel.expert_parallel'", "1 with model.arch 'gpt2'"]),
     (["model.arch=mixtral", "model.experts=4", "parallel.expert_parallel=3"],
      ["'parallel.expert_parallel'", "a divisor of model.experts (4)"]),

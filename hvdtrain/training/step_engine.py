@@ -301,6 +301,8 @@ class PipelinedStep(PlainStep):
     def __init__(self, model, optimizer, scaler, normalizer, autocast, device, layout: parallel_dims.Layout,
                  groups: parallel_dims.Groups, pipe: pipeline.Pipeline, reduce_after: bool, cfg: Config,
                  grad_accum: int = 1, expert_groups=None):
+        """With parallel.shard a ShardedStep around this one reduce-scatters the gradients
+        (`optimizer` a ShardedOptimizer): no reduction here."""
         super().__init__(model, optimizer, scaler, normalizer, autocast, device)
         self.layout, self.groups, self.pipe, self.reduce_after, self.cfg = layout, groups, pipe, reduce_after, cfg
         # the stages of a pipeline and the ranks of a tensor-parallel group read the same samples
@@ -308,8 +310,9 @@ class PipelinedStep(PlainStep):
         self.expert_groups, self.reduction, self.experts = expert_groups, None, None
         if expert_groups is not None:
             names = expert_parallel.expert_weight_names(model)
-            self.reduction = expert_parallel.gradient_reduction(model, names, expert_groups, cfg.horovod, grad_accum,
-                                                                during=not reduce_after)
+            if cfg.parallel.shard == "none":
+                self.reduction = expert_parallel.gradient_reduction(model, names, expert_groups, cfg.horovod,
+                                                                    grad_accum, during=not reduce_after)
             self.experts = ({p for n, p in model.named_parameters() if n in names},
                             functools.partial(expert_parallel.sum_over_group, groups=expert_groups))
 
