@@ -98,22 +98,6 @@ def test_two_expert_groups_by_two_stages_train_as_one_worker_across_layouts(tmp_
     assert_same_params(exported(one), exported(moved), atol=1e-5)
 
 
-def test_two_expert_groups_by_two_stages_fully_sharded_train_as_one_worker(tmp_path, tiny_config):
-    """4 workers, e=2 x p=2 with parallel.shard=full: each stage's dense weights sharded over its
-    two copies (its expert group), each rank's experts over the one rank holding them, the
-    gradients reduce-scattered after each run of the schedule, the norm summed over the copies
-    and along the pipeline; to step 4 (every worker writing its slices), then resumed at the same
-    layout to 8: one worker's losses, router loss, clipped norms and weights."""
-    config = tiny_config({**MOE, "train": {**MOE["train"], "micro_batch_size": 1}})
-    one, split = tmp_path / "np1", tmp_path / "split"
-    train_workers(1, config, f"out_dir={one}")
-    train_fully_sharded_with_a_resume(config, split, "parallel.expert_parallel=2", "parallel.pipeline_stages=2")
-    assert_trains_as_one_worker(one, split)
-    resolved = yaml.safe_load((split / "config.yaml").read_text())["resolved"]
-    assert resolved["optimizer"] == ("sharded (full) over 2 copies (the experts' weights over the 1 holding them) "
-                                     "(reduce-scatter, allgather)")
-
-
 @pytest.mark.deep
 def test_two_expert_groups_by_two_interleaved_stages_sharded_across_layouts(tmp_path, tiny_config):
     """4 layers, 4 workers, e=2 x p=2 with the interleaved schedule (two stages per worker, each
@@ -233,20 +217,24 @@ def test_the_timeline_share_sums_each_operation_from_its_submission_to_its_end(t
                                        "share": 0.7}
 
 
-def test_fully_sharded_weights_over_the_copies_of_each_expert(tmp_path, tiny_config):
-    """4 workers, e=2 x 2 copies, with parallel.shard=full: the dense weights themselves sharded
-    over all four and each expert weight over the two ranks holding it, every block gathered
-    (two allgathers: one per process set) as forward and backward reach it; to step 4, then
+@pytest.mark.parametrize("grid, copies, holders", [(("parallel.expert_parallel=2",), 4, 2),
+                                                    (("parallel.expert_parallel=2", "parallel.pipeline_stages=2"), 2, 1)])
+def test_fully_sharded_weights_over_the_copies_of_each_expert(tmp_path, tiny_config, grid, copies, holders):
+    """4 workers with parallel.shard=full, e=2 x 2 copies, or e=2 x p=2: the dense weights
+    themselves sharded over the copies (of each stage: its expert group), each expert weight
+    over the ranks holding it, every block gathered (two allgathers: one per process set) as
+    forward and backward reach it; with stages the gradients reduce-scattered after each run of
+    the schedule, the norm summed over the copies and along the pipeline. To step 4, then
     resumed at the same layout to 8: the one worker's losses, router loss, clipped norms and
     weights (micro batches of 1 for all: the router loss is a micro batch's)."""
     config = tiny_config({**MOE, "train": {**MOE["train"], "micro_batch_size": 1}})
     one, split = tmp_path / "np1", tmp_path / "split"
     train_workers(1, config, f"out_dir={one}")
-    train_fully_sharded_with_a_resume(config, split, "parallel.expert_parallel=2")
+    train_fully_sharded_with_a_resume(config, split, *grid)
     assert_trains_as_one_worker(one, split)
     resolved = yaml.safe_load((split / "config.yaml").read_text())["resolved"]
-    assert resolved["optimizer"] == ("sharded (full) over 4 copies (the experts' weights over the 2 holding them) "
-                                     "(reduce-scatter, allgather)")
+    assert resolved["optimizer"] == (f"sharded (full) over {copies} copies (the experts' weights over the {holders} "
+                                     "holding them) (reduce-scatter, allgather)")
 
 
 @pytest.mark.deep
