@@ -217,14 +217,16 @@ def test_the_timeline_share_sums_each_operation_from_its_submission_to_its_end(t
                                        "share": 0.7}
 
 
-@pytest.mark.parametrize("grid, copies, holders", [(("parallel.expert_parallel=2",), 4, 2),
-                                                    (("parallel.expert_parallel=2", "parallel.pipeline_stages=2"), 2, 1)])
+@pytest.mark.parametrize("grid, copies, holders", [
+    (("parallel.expert_parallel=2",), 4, 2),
+    (("parallel.expert_parallel=2", "parallel.pipeline_stages=2", "parallel.reduce_gradients=after"), 2, 1)])
 def test_fully_sharded_weights_over_the_copies_of_each_expert(tmp_path, tiny_config, grid, copies, holders):
     """4 workers with parallel.shard=full, e=2 x 2 copies, or e=2 x p=2: the dense weights
     themselves sharded over the copies (of each stage: its expert group), each expert weight
-    over the ranks holding it, every block gathered (two allgathers: one per process set) as
-    forward and backward reach it; with stages the gradients reduce-scattered after each run of
-    the schedule, the norm summed over the copies and along the pipeline. To step 4, then
+    over the ranks holding it (with stages: one), every block gathered (two allgathers: one
+    per process set) as forward and backward reach it; with stages the gradients
+    reduce-scattered after each run of the schedule (GPUs' default; the deep test below: from
+    backward's hooks), the norm summed over the copies and along the pipeline. To step 4, then
     resumed at the same layout to 8: the one worker's losses, router loss, clipped norms and
     weights (micro batches of 1 for all: the router loss is a micro batch's)."""
     config = tiny_config({**MOE, "train": {**MOE["train"], "micro_batch_size": 1}})

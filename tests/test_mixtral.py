@@ -185,10 +185,10 @@ def test_two_workers_equal_one_worker_with_the_routing_logged(tmp_path, tiny_con
 
 
 @pytest.mark.workers
-@pytest.mark.parametrize("bounds", [[0, 1, 2], [0, 2, 2]])
+@pytest.mark.parametrize("bounds", [[0, 1, 2], [0, 2, 2], pytest.param([0, 0, 2], marks=pytest.mark.deep)])
 def test_two_pipeline_stages_train_as_one_worker(tmp_path, tiny_config, bounds):
-    """Two pipeline stages, each with one layer's router, or the second with the head alone
-    (it routes nothing and passes the sums on): the second receives the first's routing sums
+    """Two pipeline stages, each with one layer's router, or one with the head or the
+    embeddings alone (it routes nothing: it passes the sums on, or sends zeros): the second receives the first's routing sums
     with the hidden states, the last computes the router losses from both layers and their
     gradients go back along the pipeline. The same per-step losses (router losses included),
     logged router loss and expert tokens, and weights, as one worker."""

@@ -1155,8 +1155,9 @@ def _layers_text(rank: dict, n_stages: int) -> str:
     return ", ".join(pieces)
 
 
-# weight_state_bytes' parts the pipeline table sums in its weights+grads+optimizer column (the
-# units and gradients in flight of "full" are not: they are one unit's, not the stage's)
+# weight_state_bytes' parts the pipeline table sums in its weights+grads+optimizer column; the
+# buffers in flight (full's units, a fusion buffer's gradients or reduce-scatter outputs) are
+# not the stage's weights: only its total counts them
 WEIGHT_STATE_PARTS = ("parameters", "gradient", "master", "optimizer", "autocast", "fp16-compressed")
 
 

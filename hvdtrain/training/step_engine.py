@@ -296,13 +296,15 @@ class PipelinedStep(PlainStep):
     otherwise run two communicators at once. With split experts (`expert_groups`) it is a plain
     one: the dense gradients are allreduced over the copies of the stage, the experts' over the
     ranks holding the same experts (expert_parallel.gradient_reduction, during the schedule's
-    backward or after it), and the norm counts each expert once."""
+    backward or after it), and the norm counts each expert once. With parallel.shard it is a
+    ShardedOptimizer and a ShardedStep around this one reduces, clips and steps: only this
+    one's forward_backward and evaluate run."""
 
     def __init__(self, model, optimizer, scaler, normalizer, autocast, device, layout: parallel_dims.Layout,
                  groups: parallel_dims.Groups, pipe: pipeline.Pipeline, reduce_after: bool, cfg: Config,
-                 grad_accum: int = 1, expert_groups=None):
-        """With parallel.shard a ShardedStep around this one reduce-scatters the gradients
-        (`optimizer` a ShardedOptimizer): no reduction here."""
+                 grad_accum: int = 1, expert_groups=None, reduce: bool = True):
+        """`reduce`: reduce the split experts' gradients here (False: a ShardedStep around this
+        one reduce-scatters them)."""
         super().__init__(model, optimizer, scaler, normalizer, autocast, device)
         self.layout, self.groups, self.pipe, self.reduce_after, self.cfg = layout, groups, pipe, reduce_after, cfg
         # the stages of a pipeline and the ranks of a tensor-parallel group read the same samples
@@ -310,7 +312,7 @@ class PipelinedStep(PlainStep):
         self.expert_groups, self.reduction, self.experts = expert_groups, None, None
         if expert_groups is not None:
             names = expert_parallel.expert_weight_names(model)
-            if cfg.parallel.shard == "none":
+            if reduce:
                 self.reduction = expert_parallel.gradient_reduction(model, names, expert_groups, cfg.horovod,
                                                                     grad_accum, during=not reduce_after)
             self.experts = ({p for n, p in model.named_parameters() if n in names},
@@ -521,7 +523,7 @@ def build_engine(cfg: Config, device, model, optimizer, scaler, grad_accum: int,
         pipe = pipeline.build_schedule(model, layout, groups, cfg.parallel.schedule,
                                        cfg.parallel.microbatches or grad_accum, 1.0, device)
         engine = PipelinedStep(model, optimizer, scaler, normalizer, autocast, device, layout, groups, pipe,
-                               reduce_after, cfg, grad_accum, expert_groups)
+                               reduce_after, cfg, grad_accum, expert_groups, reduce=cfg.parallel.shard == "none")
     if cfg.parallel.shard == "none":
         return engine
     return ShardedStep(engine, groups, (t.micro_batch_size, cfg.data.seq_len))
