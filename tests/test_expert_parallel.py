@@ -217,10 +217,11 @@ def test_the_timeline_share_sums_each_operation_from_its_submission_to_its_end(t
                                        "share": 0.7}
 
 
-@pytest.mark.parametrize("grid, copies, holders", [
-    (("parallel.expert_parallel=2",), 4, 2),
-    (("parallel.expert_parallel=2", "parallel.pipeline_stages=2", "parallel.reduce_gradients=after"), 2, 1)])
-def test_fully_sharded_weights_over_the_copies_of_each_expert(tmp_path, tiny_config, grid, copies, holders):
+@pytest.mark.parametrize("grid, copies, experts", [
+    (("parallel.expert_parallel=2",), 4, "over the 2 holding them"),
+    (("parallel.expert_parallel=2", "parallel.pipeline_stages=2", "parallel.reduce_gradients=after"), 2,
+     "whole on the one holding them")])
+def test_fully_sharded_weights_over_the_copies_of_each_expert(tmp_path, tiny_config, grid, copies, experts):
     """4 workers with parallel.shard=full, e=2 x 2 copies, or e=2 x p=2: the dense weights
     themselves sharded over the copies (of each stage: its expert group), each expert weight
     over the ranks holding it (with stages: one), every block gathered (two allgathers: one
@@ -235,8 +236,8 @@ def test_fully_sharded_weights_over_the_copies_of_each_expert(tmp_path, tiny_con
     train_fully_sharded_with_a_resume(config, split, *grid)
     assert_trains_as_one_worker(one, split)
     resolved = yaml.safe_load((split / "config.yaml").read_text())["resolved"]
-    assert resolved["optimizer"] == (f"sharded (full) over {copies} copies (the experts' weights over the {holders} "
-                                     "holding them) (reduce-scatter, allgather)")
+    assert resolved["optimizer"] == (f"sharded (full) over {copies} copies (the experts' weights {experts}) "
+                                     "(reduce-scatter, allgather)")
 
 
 @pytest.mark.deep

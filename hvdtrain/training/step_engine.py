@@ -488,7 +488,8 @@ class ShardedStep(PlainStep):
         fewer = sorted({s.copies.size for s in opt.slices} - {opt.size})  # the experts' weights' copies
         return {**self.layout_step.describe(),
                 "optimizer": f"sharded ({opt.level}) over {opt.size} copies"
-                             + "".join(f" (the experts' weights over the {n} holding them)" for n in fewer)
+                             + "".join(f" (the experts' weights over the {n} holding them)" if n > 1 else
+                                       " (the experts' weights whole on the one holding them)" for n in fewer)
                              + " (reduce-scatter, allgather)"}
 
     def close(self):
