@@ -114,6 +114,25 @@ def test_two_expert_groups_by_two_interleaved_stages_sharded_across_layouts(tmp_
     assert_trains_as_one_worker(one, moved, atol=5e-5)
 
 
+@pytest.mark.deep
+def test_eight_workers_shard_each_stage_s_experts_over_the_copies_holding_them(tmp_path, tiny_config):
+    """8 workers, e=2 x p=2: each stage's 4 copies are two expert groups, its dense weights
+    sharded over the 4 and each expert weight over the 2 copies holding it (full, reduced
+    after each run of the schedule); to step 4, then resumed by 4 workers at e=2 x p=2 with
+    ZeRO-2 to 8 (each reading its slices of the other layout's): one worker's run."""
+    config = tiny_config({**MOE, "train": {**MOE["train"], "micro_batch_size": 1}})
+    one, moved = tmp_path / "np1", tmp_path / "moved"
+    train_workers(1, config, f"out_dir={one}")
+    grid = ("parallel.expert_parallel=2", "parallel.pipeline_stages=2")
+    train_workers(8, config, f"out_dir={moved}", *grid, "parallel.shard=full", "parallel.reduce_gradients=after",
+                  "train.stop_at_step=4", timeout=900)
+    resolved = yaml.safe_load((moved / "config.yaml").read_text())["resolved"]
+    assert resolved["optimizer"] == ("sharded (full) over 4 copies (the experts' weights over the 2 holding them) "
+                                     "(reduce-scatter, allgather)")
+    train_workers(4, config, f"out_dir={moved}", *grid, "parallel.shard=gradients", timeout=900)
+    assert_trains_as_one_worker(one, moved)
+
+
 def test_a_checkpoint_resumes_at_another_expert_parallel_size(tmp_path, tiny_config):
     """2 workers: stop at step 4 with e=2, go on to 6 with e=1, then to 8 with e=2 again: the
     same losses and weights as a straight e=1 run (each rank of the first group wrote its experts' rows)."""
