@@ -324,7 +324,10 @@ class PipelinedStep(PlainStep):
         family's auxiliary loss, followed by its statistics, as PlainStep's) is the last
         stage's (with split layers its first tensor-parallel rank's); 0 on the others."""
         pipe, scaler = self.pipe, self.scaler
-        pipe.loss.scale = self.normalizer.loss_scale * (scaler.get_scale() if scaler.is_enabled() else 1.0)
+        # fp16: torch's schedule runs the backward of the loss, scaled by hand here; scaler.scale
+        # (not get_scale) makes the scaler's scale tensor on the first step, as unscale_ needs
+        scale = scaler.scale(torch.ones((), device=self.device)).item() if scaler.is_enabled() else 1.0
+        pipe.loss.scale = self.normalizer.loss_scale * scale
         loss_sum = torch.zeros((), device=self.device)
         statistics = torch.zeros(self.model.parts.statistics_size(self.model.config), device=self.device)
         m = pipe.n_microbatches
